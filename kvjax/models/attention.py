@@ -1,0 +1,84 @@
+"""Masked grouped-query attention over a set of key slots.
+
+One function serves prefill (keys = the prompt itself), chunked prefill on top of a
+cache (context-only scenario) and decoding (T = 1): causality and budgets are both
+expressed through slot positions and the `valid` mask, never through shapes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+
+def mask(
+    qpos_BT: Int[Array, "B T"],
+    kpos_BKS: Int[Array, "B K S"],
+    kvalid_BKS: Bool[Array, "B K S"],
+    sliding_window: int | None = None,
+) -> Bool[Array, "B K T S"]:
+    """Which keys each query may see: live, not in its future, inside the sliding window."""
+    q = qpos_BT[:, None, :, None]
+    k = kpos_BKS[:, :, None, :]
+    ok = kvalid_BKS[:, :, None, :] & (k <= q)
+    if sliding_window is not None:
+        ok &= q - k < sliding_window
+    return ok
+
+
+def logits(
+    q_BTHD: Float[Array, "B T H D"], k_BKSD: Float[Array, "B K S D"]
+) -> Float[Array, "B K G T S"]:
+    """Scaled q.k in float32, query heads grouped by the KV head they share."""
+    B, T, H, D = q_BTHD.shape
+    K = k_BKSD.shape[1]
+    q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
+    s = jnp.einsum("btkgd,bksd->bkgts", q_BTKGD, k_BKSD, preferred_element_type=jnp.float32)
+    return s * (D**-0.5)
+
+
+def softmax(s_BKGTS: Float[Array, "B K G T S"], ok_BKTS: Bool[Array, "B K T S"]):
+    """Softmax over live keys; a row with no live key gives zeros, never NaN."""
+    ok = ok_BKTS[:, :, None]
+    s = jnp.where(ok, s_BKGTS, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(ok, jnp.exp(s - m), 0.0)
+    z = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(z > 0, z, 1.0)
+
+
+def attend(
+    q_BTHD: Float[Array, "B T H D"],
+    k_BKSD: Float[Array, "B K S D"],
+    v_BKSD: Float[Array, "B K S D"],
+    ok_BKTS: Bool[Array, "B K T S"],
+    return_probs: bool = False,
+):
+    """Attention output [B, T, H, D] (and, if asked, probabilities [B, K, G, T, S])."""
+    B, T, H, D = q_BTHD.shape
+    p = softmax(logits(q_BTHD, k_BKSD), ok_BKTS)
+    o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v_BKSD.dtype), v_BKSD,
+                   preferred_element_type=jnp.float32)
+    o = o.reshape(B, T, H, D).astype(q_BTHD.dtype)
+    return (o, p) if return_probs else o
+
+
+def attend_chunked(q_BTHD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS, sliding_window,
+                   block: int = 512):
+    """`attend` over query blocks so that prefill never holds [H, T, S] scores at once."""
+    B, T, H, D = q_BTHD.shape
+    if T <= block or T % block:
+        return attend(q_BTHD, k_BKSD, v_BKSD,
+                      mask(qpos_BT, kpos_BKS, kvalid_BKS, sliding_window))
+    nb = T // block
+    qb = q_BTHD.reshape(B, nb, block, H, D).swapaxes(0, 1)
+    pb = qpos_BT.reshape(B, nb, block).swapaxes(0, 1)
+
+    def one(args):
+        q, p = args
+        return attend(q, k_BKSD, v_BKSD, mask(p, kpos_BKS, kvalid_BKS, sliding_window))
+
+    o = jax.lax.map(one, (qb, pb))
+    return o.swapaxes(0, 1).reshape(B, T, H, D)

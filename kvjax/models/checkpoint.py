@@ -1,0 +1,154 @@
+"""HF checkpoint directories (config.json + *.safetensors, sharded or not) <-> params.
+
+No network: a checkpoint is a local directory. Every tensor the config implies must be
+there with the shape the config implies; anything else is an error that names it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from kvjax.config import ModelConfig
+from kvjax.models.transformer import Params
+
+# our name -> (HF name pattern, transpose)
+_LAYER = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "q": ("self_attn.q_proj.weight", True),
+    "k": ("self_attn.k_proj.weight", True),
+    "v": ("self_attn.v_proj.weight", True),
+    "o": ("self_attn.o_proj.weight", True),
+    "q_bias": ("self_attn.q_proj.bias", False),
+    "k_bias": ("self_attn.k_proj.bias", False),
+    "v_bias": ("self_attn.v_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "gate": ("mlp.gate_proj.weight", True),
+    "up": ("mlp.up_proj.weight", True),
+    "down": ("mlp.down_proj.weight", True),
+}
+# buffers older exports carry that are recomputed here
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The exact parameter tree (as shapes) a config implies."""
+    D, F, Dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    H, K, L = cfg.num_heads * Dh, cfg.num_kv_heads * Dh, cfg.num_layers
+    layer = {"attn_norm": (D,), "q": (D, H), "k": (D, K), "v": (D, K), "o": (H, D),
+             "mlp_norm": (D,), "gate": (D, F), "up": (D, F), "down": (F, D)}
+    if cfg.qkv_bias:
+        layer.update(q_bias=(H,), k_bias=(K,), v_bias=(K,))
+    if cfg.qk_norm:
+        layer.update(q_norm=(Dh,), k_norm=(Dh,))
+    shapes = {"embed": (cfg.vocab_size, D), "final_norm": (D,),
+              "layers": {n: (L, *s) for n, s in layer.items()}}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (D, cfg.vocab_size)
+    return shapes
+
+
+def _hf_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """Flat map: HF tensor name -> (our path 'layers/q/3' style, transpose)."""
+    names = {"model.embed_tokens.weight": ("embed", False), "model.norm.weight": ("final_norm", False)}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = ("lm_head", True)
+    for ours in param_shapes(cfg)["layers"]:
+        hf, t = _LAYER[ours]
+        for i in range(cfg.num_layers):
+            names[f"model.layers.{i}.{hf}"] = (f"layers/{ours}/{i}", t)
+    return names
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / f for name, f in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in checkpoint directory {path}")
+    out = {}
+    for f in files:
+        with safe_open(f, framework="numpy") as st:
+            out.update({name: f for name in st.keys()})
+    return out
+
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+
+
+def _read(f: Path, name: str) -> np.ndarray:
+    """One tensor, read straight from the file layout (safetensors' numpy reader has no bf16)."""
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        meta = json.loads(fh.read(n))[name]
+        if meta["dtype"] not in _DTYPES:
+            raise ValueError(f"tensor {name} in {f} has unsupported dtype {meta['dtype']}")
+        start, stop = meta["data_offsets"]
+        fh.seek(8 + n + start)
+        buf = fh.read(stop - start)
+    return np.frombuffer(buf, _DTYPES[meta["dtype"]]).reshape(meta["shape"])
+
+
+def load_hf(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
+    """Load a local HF checkpoint directory into (config, params)."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a checkpoint directory: config.json is missing")
+    cfg = ModelConfig.from_json(path / "config.json")
+    files = _tensor_files(path)
+    expected = _hf_names(cfg)
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint {path} is missing tensors: {missing[:5]}{more}")
+    tied_extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unexpected = sorted(n for n in set(files) - set(expected) - tied_extra
+                        if not n.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+        raise ValueError(f"checkpoint {path} has tensors this config does not use: {unexpected[:5]}")
+
+    shapes = param_shapes(cfg)
+    params: dict = {"layers": {}}
+    per_layer: dict[str, list] = {n: [None] * cfg.num_layers for n in shapes["layers"]}
+    for name, (ours, transpose) in expected.items():
+        x = _read(files[name], name)
+        x = x.T if transpose else x
+        parts = ours.split("/")
+        want = shapes[parts[0]] if len(parts) == 1 else shapes["layers"][parts[1]][1:]
+        if tuple(x.shape) != tuple(want):
+            stored = tuple(x.T.shape) if transpose else tuple(x.shape)
+            raise ValueError(f"tensor {name} has shape {stored}, config implies "
+                             f"{tuple(want[::-1]) if transpose else tuple(want)}")
+        if len(parts) == 1:
+            params[ours] = jnp.asarray(x, dtype)
+        else:
+            per_layer[parts[1]][int(parts[2])] = x
+    params["layers"] = {n: jnp.asarray(np.stack(xs), dtype) for n, xs in per_layer.items()}
+    return cfg, params
+
+
+def save_hf(path: str | Path, cfg: ModelConfig, params: Params, extra_config: dict | None = None) -> None:
+    """Write params as an HF checkpoint directory (config.json + model.safetensors)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, (ours, transpose) in _hf_names(cfg).items():
+        parts = ours.split("/")
+        x = params[ours] if len(parts) == 1 else params["layers"][parts[1]][int(parts[2])]
+        x = np.asarray(x)
+        tensors[name] = np.ascontiguousarray(x.T if transpose else x)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf = cfg.to_hf()
+    hf["torch_dtype"] = str(np.asarray(params["embed"]).dtype)
+    hf.update(extra_config or {})
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
