@@ -158,6 +158,11 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
 # ---- host-side driver ----------------------------------------------------------------------
 
 
+# keys of `Generation.stats` that the engine itself measures (the rest come from the method)
+ENGINE_STATS = ("kv_bytes_live", "kv_bytes_allocated", "kv_bytes_full", "ttft_s", "tpot_s",
+                "compile_s", "prompt_tokens")
+
+
 @dataclasses.dataclass
 class Generation:
     tokens: list[list[int]]  # generated ids per element, stop token excluded

@@ -1,0 +1,91 @@
+"""Synthetic RULER-like long-context tasks, their tokenizer and scorers, and loaders for real
+benchmark files.
+
+Why synthetic: no weights or data sets can be downloaded, so kvjax trains its own small model
+on these tasks and measures KV-cache compression by accuracy on them. The tasks are learnable
+by a tiny word-level model, exactly scorable, deterministic per seed, and exact in length:
+`1 + count_tokens(sample.prompt) == context_length` for every sample (1 = `<bos>`).
+
+Scenarios (see `Sample`):
+- question-aware: prefill and compress `sample.prompt` (context, then question);
+- context-only: prefill and compress `sample.context`, then prefill `sample.question` on top.
+  `encode(context) + encode(question) == encode(prompt)`, so the token streams agree.
+The model then writes `sample.target` (at most `sample.max_new_tokens` tokens with `<eos>`);
+`score(name, prediction, sample.answer)` grades it in [0, 1].
+
+    from kvjax import tasks
+    samples = tasks.generate("niah_single", context_length=2048, n=50, seed=0)
+    tasks.score("niah_single", prediction, samples[0].answer)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvjax.tasks import aggregation, kv_retrieval, niah, variable_tracking
+from kvjax.tasks.base import Task
+from kvjax.tasks.haystack import long_text
+from kvjax.tasks.loaders import load_longbench_jsonl, load_ruler_jsonl, score_sample
+from kvjax.tasks.sample import Sample
+from kvjax.tasks.tokenizer import count_tokens, decode, load_tokenizer, save_tokenizer
+
+_REGISTRY: dict[str, Task] = {
+    t.name: t for mod in (niah, kv_retrieval, variable_tracking, aggregation) for t in mod.TASKS
+}
+
+__all__ = [
+    "Sample",
+    "Task",
+    "count_tokens",
+    "decode",
+    "generate",
+    "get",
+    "load_longbench_jsonl",
+    "load_ruler_jsonl",
+    "load_tokenizer",
+    "long_text",
+    "names",
+    "sample",
+    "save_tokenizer",
+    "score",
+    "score_sample",
+    "training_example",
+]
+
+
+def names() -> list[str]:
+    """Registered task names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get(name: str) -> Task:
+    """The task object (`.name`, `.kind`, `.metric`, `.generate`, `.score`, ...)."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown task {name!r}; known: {names()}") from None
+
+
+def generate(
+    name: str, context_length: int = 2048, n: int = 50, seed: int = 0, depth: float | None = None
+) -> list[Sample]:
+    """`n` deterministic samples of `context_length` tokens (BOS included). With `depth=None`
+    sample i's (first) needle is at depth (i + 0.5) / n, so a run covers the context."""
+    return get(name).generate(context_length=context_length, n=n, seed=seed, depth=depth)
+
+
+def sample(name: str, context_length: int, rng: np.random.Generator, depth: float | None = None) -> Sample:
+    """One sample drawn from `rng` (random depth when None)."""
+    return get(name).sample(context_length, rng, depth)
+
+
+def score(name: str, prediction: str, answer: Sequence[str]) -> float:
+    """Grade a prediction against `sample.answer` with the task's metric, in [0, 1]."""
+    return get(name).score(prediction, answer)
+
+
+def training_example(name: str, context_length: int, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+    """(`<bos>` + prompt ids, target ids + `<eos>`) with the default tokenizer, random depth."""
+    return get(name).training_example(context_length, rng)

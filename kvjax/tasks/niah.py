@@ -1,0 +1,127 @@
+"""Needle-in-a-haystack tasks (RULER's niah_* family) and the classic passkey.
+
+Needle:   "the special magic number for KEY is 4821990."   (KEY: one word of data/keys.txt)
+Question: "what is the special magic number for KEY? answer:"
+
+- niah_single: one needle.
+- niah_multikey: the needle plus 3 distractor needles with other keys.
+- niah_multivalue: 4 needles with the same key; answer = the 4 values (target in context order,
+  any order scores).
+- niah_multiquery: 4 needles with different keys; the question names all 4 (random order) and
+  the target lists their values in the question's order.
+- passkey: "the pass key is 68231. remember it. 68231 is the pass key." inside the repeated
+  "the grass is green. the sky is blue. ..." filler, after the classic instruction.
+
+Needle 0 (the queried one) sits at the requested depth; the other needles are spread around
+the context at roughly equal gaps (depth + j / n_needles, wrapped, with some jitter).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax.tasks import vocab
+from kvjax.tasks.base import (
+    MIN_HAYSTACK,
+    Built,
+    Task,
+    choose,
+    distinct_numbers,
+    join_items,
+    place,
+    spans,
+    spell,
+    too_small,
+)
+from kvjax.tasks.haystack import grammar_sentences, repeat_sentences
+
+VALUE_DIGITS = 7
+
+
+def needle(key: str, value: str) -> list[str]:
+    return ["the", "special", "magic", "number", "for", key, "is", *spell(value), "."]
+
+
+def spread_depths(rng: np.random.Generator, depth: float, count: int) -> list[float]:
+    """Needle 0 at `depth`, the others at about equal gaps around the (wrapped) context."""
+    out = [depth]
+    for j in range(1, count):
+        out.append(float((depth + (j + rng.uniform(-0.25, 0.25)) / count) % 1.0))
+    return out
+
+
+class Niah(Task):
+    def __init__(self, name: str, n_keys: int, n_values: int, n_queries: int, metric: str):
+        self.name, self.n_keys, self.n_values, self.n_queries = name, n_keys, n_values, n_queries
+        self.metric = metric
+
+    def question(self, keys: list[str]) -> list[str]:
+        if self.n_queries > 1:
+            named = join_items([[k] for k in keys[:-1]]) + ["and", keys[-1]]
+            return "what are the special magic numbers for".split() + named + ["?", "answer", ":"]
+        if self.n_values > 1:
+            return "what are all the special magic numbers for".split() + [keys[0], "?", "answer", ":"]
+        return "what is the special magic number for".split() + [keys[0], "?", "answer", ":"]
+
+    def build(self, rng: np.random.Generator, context_length: int, depth: float | None) -> Built:
+        keys = choose(rng, vocab.keys(), self.n_keys)
+        values = distinct_numbers(rng, self.n_keys * self.n_values, VALUE_DIGITS)
+        pairs = [(k, values[i * self.n_values + v]) for i, k in enumerate(keys) for v in range(self.n_values)]
+        needles = [needle(k, v) for k, v in pairs]
+        queried = choose(rng, keys, self.n_queries) if self.n_queries > 1 else keys[:1]
+        question = self.question(queried)
+        budget = context_length - 1 - len(question)
+        needed = 1 + len(question) + sum(map(len, needles)) + MIN_HAYSTACK
+        if context_length < needed:
+            raise too_small(self.name, context_length, needed)
+        depth = 0.5 if depth is None else depth
+        depths = spread_depths(rng, depth, len(needles))
+        context, starts = place(rng, grammar_sentences, budget, needles, depths)
+        if self.n_queries > 1:  # values in the question's order
+            by_key = dict(pairs)
+            answer = [by_key[k] for k in queried]
+        else:  # values of the queried key, in context order
+            mine = sorted((s, v) for s, (k, v) in zip(starts, pairs) if k == queried[0])
+            answer = [v for _, v in mine]
+        return Built(
+            context=context,
+            question=question,
+            answer=answer,
+            target=join_items([spell(v) for v in answer]),
+            depth=depth,
+            needle_positions=spans(starts, needles),
+        )
+
+
+PASSKEY_DIGITS = 5
+PASSKEY_INTRO = (
+    "there is important info hidden inside a lot of irrelevant text . find it and memorize it . "
+    "i will quiz you about the important information there ."
+).split()
+
+
+class Passkey(Task):
+    name = "passkey"
+    metric = "exact_contains"
+
+    def build(self, rng: np.random.Generator, context_length: int, depth: float | None) -> Built:
+        value = distinct_numbers(rng, 1, PASSKEY_DIGITS)[0]
+        v = spell(value)
+        pk = ["the", "pass", "key", "is", *v, ".", "remember", "it", ".", *v, "is", "the", "pass", "key", "."]
+        question = ["what", "is", "the", "pass", "key", "?", "answer", ":"]
+        needed = 1 + len(question) + len(PASSKEY_INTRO) + len(pk) + MIN_HAYSTACK
+        if context_length < needed:
+            raise too_small(self.name, context_length, needed)
+        depth = 0.5 if depth is None else depth
+        budget = context_length - 1 - len(question)
+        context, starts = place(rng, repeat_sentences, budget, [pk], [depth], prefix=PASSKEY_INTRO)
+        return Built(context, question, [value], list(v), depth, spans(starts, [pk]))
+
+
+TASKS = [
+    Niah("niah_single", n_keys=1, n_values=1, n_queries=1, metric="exact_contains"),
+    Niah("niah_multikey", n_keys=4, n_values=1, n_queries=1, metric="string_match_all"),
+    Niah("niah_multivalue", n_keys=1, n_values=4, n_queries=1, metric="string_match_all"),
+    Niah("niah_multiquery", n_keys=4, n_values=1, n_queries=4, metric="string_match_all"),
+    Passkey(),
+]

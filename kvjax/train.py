@@ -1,0 +1,224 @@
+"""Train the bundled model: `python -m kvjax.train --config configs/models/tiny-retrieval.yaml`.
+
+AdamW with warmup + cosine decay (optax), a length curriculum over a mixture of the
+synthetic tasks, orbax checkpoints every `checkpoint_every` steps. The data of step `s` is
+drawn from `rng([seed, s])`, so a run resumed from a checkpoint continues with exactly the
+batches an uninterrupted run would have seen: resuming reproduces the same parameters.
+At the end the weights and the tokenizer are exported as an HF checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+
+from kvjax.config import ModelConfig
+from kvjax.models import attention, transformer
+from kvjax.models.checkpoint import param_shapes, save_hf
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    steps: int = 2000
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    lm_weight: float = 0.1  # next-token loss on the context (repeated filler teaches copying)
+    # (from step, context length, batch size): long contexts come late and in small batches,
+    # so a step costs about the same number of tokens throughout
+    curriculum: tuple = ((0, 256, 8),)
+    tasks: tuple = (("niah_single", 1.0),)
+    checkpoint_every: int = 100
+    remat: bool = True
+
+    def stage(self, step: int) -> tuple[int, int]:
+        """(context length, batch size) at `step`."""
+        _, ctx, bs = [c for c in self.curriculum if c[0] <= step][-1]
+        return ctx, bs
+
+
+def load_configs(path: str | Path) -> tuple[ModelConfig, TrainConfig, dict]:
+    raw = yaml.safe_load(Path(path).read_text())
+    m = raw["model"]
+    cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in m.items()})
+    t = dict(raw.get("train", {}))
+    t["curriculum"] = tuple(tuple(x) for x in t.get("curriculum", ((0, 256, 8),)))
+    t["tasks"] = tuple((k, float(v)) for k, v in t.get("tasks", {"niah_single": 1}).items())
+    return cfg, TrainConfig(**t), raw
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
+    """Normal(0, std) matrices (scaled by depth for residual outputs), unit norm weights."""
+    shapes = param_shapes(cfg)
+    leaves, tree = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for path, shape, k in zip(paths, leaves, keys):
+        if "norm" in path:
+            out.append(jnp.ones(shape, jnp.float32))
+        elif "bias" in path:
+            out.append(jnp.zeros(shape, jnp.float32))
+        else:
+            s = std / np.sqrt(2 * cfg.num_layers) if path.endswith(("'o']", "'down']")) else std
+            out.append(s * jax.random.normal(k, shape, jnp.float32))
+    return jax.tree.unflatten(tree, out)
+
+
+def forward(params, cfg: ModelConfig, tokens_BT, valid_BT, remat: bool = True):
+    """Training forward: the model's layer functions, rematerialised per layer."""
+    B, T = tokens_BT.shape
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    kpos = jnp.broadcast_to(pos[:, None], (B, cfg.num_kv_heads, T))
+    kvalid = jnp.broadcast_to(valid_BT[:, None], (B, cfg.num_kv_heads, T))
+
+    def layer(x, p):
+        q, k, v = transformer.qkv(p, cfg, x, pos)
+        o = attention.attend_chunked(q, k, v, pos, kpos, kvalid, cfg.sliding_window)
+        return transformer.finish_layer(p, cfg, x, o), None
+
+    if remat:
+        layer = jax.checkpoint(layer)
+    x, _ = jax.lax.scan(layer, params["embed"][tokens_BT], params["layers"])
+    return transformer.unembed(params, cfg, x)
+
+
+def loss_fn(params, cfg, batch, lm_weight, remat=True):
+    logits = forward(params, cfg, batch["inputs"], batch["valid"], remat)
+    logp = jax.nn.log_softmax(logits, -1)
+    nll = -jnp.take_along_axis(logp, batch["labels"][..., None], -1)[..., 0]
+    ans, ctx = batch["answer_mask"], batch["context_mask"]
+    ans_loss = jnp.sum(nll * ans) / jnp.maximum(jnp.sum(ans), 1)
+    ctx_loss = jnp.sum(nll * ctx) / jnp.maximum(jnp.sum(ctx), 1)
+    acc = jnp.sum((jnp.argmax(logits, -1) == batch["labels"]) * ans) / jnp.maximum(jnp.sum(ans), 1)
+    return ans_loss + lm_weight * ctx_loss, {"answer_loss": ans_loss, "context_loss": ctx_loss,
+                                             "answer_token_acc": acc}
+
+
+def make_batch(tc: TrainConfig, step: int) -> dict:
+    """The batch of `step`: deterministic in (seed, step), independent of earlier steps."""
+    from kvjax import tasks
+
+    context, batch_size = tc.stage(step)
+    rng = np.random.default_rng([tc.seed, step])
+    names = [n for n, _ in tc.tasks]
+    w = np.array([x for _, x in tc.tasks])
+    seqs = []
+    for _ in range(batch_size):
+        name = names[rng.choice(len(names), p=w / w.sum())]
+        prompt, target = tasks.training_example(name, context, rng)
+        seqs.append((prompt, target))
+    T = max(len(p) + len(t) for p, t in seqs) - 1
+    T = -(-T // 64) * 64  # few distinct shapes: few compilations
+    batch = {k: np.zeros((batch_size, T), dt) for k, dt in
+             (("inputs", np.int32), ("labels", np.int32), ("valid", bool),
+              ("answer_mask", np.float32), ("context_mask", np.float32))}
+    for i, (p, t) in enumerate(seqs):
+        seq = np.array(p + t, np.int32)
+        n = len(seq) - 1
+        batch["inputs"][i, :n] = seq[:-1]
+        batch["labels"][i, :n] = seq[1:]
+        batch["valid"][i, :n] = True
+        batch["answer_mask"][i, len(p) - 1: n] = 1  # predict every target token
+        batch["context_mask"][i, : len(p) - 1] = 1
+    return batch
+
+
+def optimizer(tc: TrainConfig):
+    sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup, max(tc.steps, tc.warmup + 1),
+                                               tc.lr * tc.min_lr_ratio)
+    return optax.chain(optax.clip_by_global_norm(tc.clip),
+                       optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
+
+
+def train(config_path: str | Path, workdir: str | Path, export: str | Path | None = None,
+          steps: int | None = None, log_every: int = 10) -> dict:
+    """Run (or resume) training up to `steps` (default: the config's), export at the end."""
+    import orbax.checkpoint as ocp
+
+    cfg, tc, raw = load_configs(config_path)
+    stop = tc.steps if steps is None else min(steps, tc.steps)
+    workdir = Path(workdir).resolve()
+    opt = optimizer(tc)
+    mngr = ocp.CheckpointManager(workdir / "ckpt", options=ocp.CheckpointManagerOptions(
+        max_to_keep=2, save_interval_steps=1))
+    params = init_params(cfg, jax.random.PRNGKey(tc.seed))
+    opt_state = opt.init(params)
+    start = 0
+    if mngr.latest_step() is not None:
+        start = mngr.latest_step()
+        restored = mngr.restore(start, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore({"params": params, "opt_state": opt_state})))
+        params, opt_state = restored["state"]["params"], restored["state"]["opt_state"]
+        print(f"resumed from step {start}")
+
+    @jax.jit
+    def update(params, opt_state, batch):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, cfg, batch, tc.lm_weight, tc.remat)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, aux
+
+    log = []
+    t0 = time.perf_counter()
+    for step in range(start, stop):
+        batch = make_batch(tc, step)
+        params, opt_state, loss, aux = update(params, opt_state, batch)
+        done = step + 1
+        if done % log_every == 0 or done == stop:
+            rec = {"step": done, "loss": float(loss), "context": batch["inputs"].shape[1],
+                   **{k: float(v) for k, v in aux.items()}, "elapsed_s": time.perf_counter() - t0}
+            log.append(rec)
+            print(json.dumps(rec), flush=True)
+        if done % tc.checkpoint_every == 0 or done == stop:
+            mngr.save(done, args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"params": params, "opt_state": opt_state})))
+    mngr.wait_until_finished()
+    with open(workdir / "train_log.jsonl", "a") as f:
+        for rec in log:
+            f.write(json.dumps(rec) + "\n")
+    if export is not None and stop == tc.steps:
+        export_model(export, cfg, params, raw)
+    return {"params": params, "opt_state": opt_state, "step": stop, "log": log}
+
+
+def export_model(path: str | Path, cfg: ModelConfig, params: dict, raw: dict) -> None:
+    """HF checkpoint directory + tokenizer + the training config (for the model card)."""
+    from kvjax.tasks.tokenizer import save_tokenizer
+
+    path = Path(path)
+    save_hf(path, cfg, params)
+    save_tokenizer(path)
+    (path / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids[0],
+        "pad_token_id": cfg.pad_token_id, "do_sample": False}, indent=2) + "\n")
+    (path / "train_config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvjax.train", description=__doc__)
+    p.add_argument("--config", default="configs/models/tiny-retrieval.yaml")
+    p.add_argument("--workdir", default="runs/tiny-retrieval")
+    p.add_argument("--export", default="kvjax/assets/tiny-retrieval")
+    p.add_argument("--steps", type=int, default=None, help="stop early at this step (resumable)")
+    p.add_argument("--log-every", type=int, default=10)
+    a = p.parse_args(argv)
+    train(a.config, a.workdir, a.export, a.steps, a.log_every)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
