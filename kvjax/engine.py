@@ -85,27 +85,27 @@ def sample(logits_BV: Array, rng: Array, sampling: Sampling) -> Int[Array, "B"]:
 
 @partial(jax.jit, static_argnames=("cfg", "method", "capacity"))
 def prefill(params, tokens_BT, valid_BT, *, cfg: ModelConfig, method: Method, capacity: int):
-    """Prefill + compression. Returns last-token logits [B, V], the cache, method stats."""
+    """Prefill + compression: last-token logits [B, V], cache, method state, method stats."""
     B, T = tokens_BT.shape
     pos_BT = positions(valid_BT, jnp.zeros((B,), jnp.int32))
     state = method.init_state(cfg, B, T)
     x, kv, state = transformer.prefill(params, cfg, tokens_BT, valid_BT, pos_BT,
                                        method.after_layer_prefill, state)
-    kv, stats = method.finalize(kv, state)
+    kv, state, stats = method.finalize(kv, state)
     kept = kv[0].shape[3]
     cache = kvcache.KVCache(*kv, end=jnp.asarray(kept, jnp.int32),
                             next_pos=jnp.sum(valid_BT, axis=1, dtype=jnp.int32))
     cache = kvcache.pad_capacity(cache, capacity)
-    return transformer.unembed(params, cfg, x[:, -1]), cache, stats
+    return transformer.unembed(params, cfg, x[:, -1]), cache, state, stats
 
 
 def _extend(params, cache: kvcache.KVCache, tokens_BT, valid_BT, cfg, method, state):
     B, T = tokens_BT.shape
     pos_BT = positions(valid_BT, cache.next_pos)
-    slots = method.decode_slots(cache, state)
+    slots = method.decode_slots(cache, state, T)
     if slots is None:
         slots = jnp.broadcast_to(cache.end + jnp.arange(T, dtype=jnp.int32),
-                                 (B, cfg.num_kv_heads, T))
+                                 (cfg.num_layers, B, cfg.num_kv_heads, T))
     kv = (cache.k, cache.v, cache.pos, cache.valid)
     x, kv, state = transformer.extend(params, cfg, tokens_BT, valid_BT, kv, pos_BT, slots,
                                       method.decode_layer, state)
@@ -127,7 +127,7 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
     """Generate up to `max_new` tokens in one `lax.while_loop`.
 
     Returns tokens [B, max_new] (pad after a stop token), the number of tokens each element
-    generated before its stop token, and the cache.
+    generated before its stop token, the cache and the method state.
     """
     B = logits_BV.shape[0]
     stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
@@ -151,8 +151,8 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
     out = jnp.full((B, max_new), cfg.pad_token_id, jnp.int32)
     init = (jnp.int32(0), cache, logits_BV, out, jnp.zeros((B,), bool),
             jnp.zeros((B,), jnp.int32), rng, state)
-    _, cache, _, out, _, n, _, _ = jax.lax.while_loop(cond, body, init)
-    return out, n, cache
+    _, cache, _, out, _, n, _, state = jax.lax.while_loop(cond, body, init)
+    return out, n, cache, state
 
 
 # ---- host-side driver ----------------------------------------------------------------------
@@ -168,6 +168,7 @@ class Generation:
     tokens: list[list[int]]  # generated ids per element, stop token excluded
     cache: kvcache.KVCache
     stats: dict[str, Any]
+    state: Any = None  # the method's state after the last step
 
 
 _EXECUTABLES: dict = {}
@@ -211,6 +212,8 @@ def run(
     Timings exclude compilation: `compile_s` reports it separately (0 when cached).
     """
     method = method or Method()
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: every prompt needs at least one token")
     longest = max(len(p) + len(q) for p, q in zip(prompts, questions or [[]] * len(prompts)))
@@ -229,27 +232,25 @@ def run(
     pre, compile_s = _compiled(prefill, (params, tokens, valid), cfg=cfg, method=method,
                                capacity=capacity)
     t0 = time.perf_counter()
-    logits, cache, stats = _block(pre(params, tokens, valid))
+    logits, cache, state, stats = _block(pre(params, tokens, valid))
     ttft = time.perf_counter() - t0
     if questions:
         qt, qv = pad_left(questions, Tq, cfg.pad_token_id)
-        ext, c = _compiled(extend, (params, cache, qt, qv), cfg=cfg, method=method)
+        ext, c = _compiled(extend, (params, cache, qt, qv, state), cfg=cfg, method=method)
         compile_s += c
         t0 = time.perf_counter()
-        logits, cache, _ = _block(ext(params, cache, qt, qv))
+        logits, cache, state = _block(ext(params, cache, qt, qv, state))
         ttft += time.perf_counter() - t0
     live_after_prefill = kvcache.kv_bytes(cache)
 
     decode_s, out, n = 0.0, np.zeros((len(prompts), 0), np.int32), np.zeros(len(prompts), int)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if max_new_tokens > 0:
         rng = jax.random.PRNGKey(seed)
-        dec, c = _compiled(decode, (params, cache, logits, rng), cfg=cfg, method=method,
+        dec, c = _compiled(decode, (params, cache, logits, rng, state), cfg=cfg, method=method,
                            max_new=max_new_tokens, sampling=sampling, stop_ids=stop_ids)
         compile_s += c
         t1 = time.perf_counter()
-        out, n, cache = _block(dec(params, cache, logits, rng))
+        out, n, cache, state = _block(dec(params, cache, logits, rng, state))
         decode_s = time.perf_counter() - t1
     out, n = np.asarray(out), np.asarray(n)
     steps = min(int(n.max()) + 1, max_new_tokens) if max_new_tokens else 0
@@ -265,4 +266,4 @@ def run(
         "compile_s": compile_s,
         "prompt_tokens": [len(p) for p in prompts],
     }
-    return Generation([out[i, : n[i]].tolist() for i in range(len(prompts))], cache, stats)
+    return Generation([out[i, : n[i]].tolist() for i in range(len(prompts))], cache, stats, state)

@@ -69,7 +69,7 @@ def test_decode_steps_through_cache(pair):
     ref = _hf_greedy(model, ids, STEPS)
     method = Method()
     tokens, valid = engine.pad_left([list(ids[0])], 32, cfg.pad_token_id)
-    logits, cache, _ = engine.prefill(params, tokens, valid, cfg=cfg, method=method,
+    logits, cache, _, _ = engine.prefill(params, tokens, valid, cfg=cfg, method=method,
                                       capacity=32 + STEPS)
     ours = [np.asarray(logits)]
     for _ in range(STEPS):

@@ -9,8 +9,10 @@ hooks (engine call sites):
   kept_slots(n)                 static slots per (layer, head) after prefill
   init_state(cfg, batch, n)     method state pytree carried through the prefill scan
   after_layer_prefill(io, st)   inside the layer scan: what this layer keeps (-> LayerKV)
-  finalize(kv, st)              after the scan: cross-layer allocation (LAVa, D2O, ...)
-  decode_slots(cache, st)       where decoded tokens are written (None: append at `end`)
+  finalize(kv, st)              after the scan: cross-layer allocation (LAVa, D2O, ...);
+                                returns (kv, decode state, stats)
+  decode_slots(cache, st, T)    slots [L, B, K, T] the next T tokens are written to
+                                (None: append at `end`)
   decode_layer                  None, or a DecodeHook called after each layer's attention
                                 while decoding (H2O cumulative scores, D2O merges, ...)
 """
@@ -46,8 +48,8 @@ class Method:
     def after_layer_prefill(self, io: LayerIO, state: Any) -> tuple[LayerKV, Any]:
         return (io.k, io.v, io.pos, io.valid), state
 
-    def finalize(self, kv: LayerKV, state: Any) -> tuple[LayerKV, dict]:
-        return kv, {}
+    def finalize(self, kv: LayerKV, state: Any) -> tuple[LayerKV, Any, dict]:
+        return kv, state, {}
 
-    def decode_slots(self, cache, state):
+    def decode_slots(self, cache, state, T: int):
         return None

@@ -137,15 +137,16 @@ def extend(
     valid_BT: Bool[Array, "B T"],
     kv: tuple[Array, Array, Array, Array],
     pos_BT: Int[Array, "B T"],
-    slot_BKT: Int[Array, "B K T"],
+    slot_LBKT: Int[Array, "L B K T"],
     hook: DecodeHook | None = None,
     state: Any = None,
 ):
     """Append T tokens to a cache (k, v, pos, valid of shape [L, B, K, C, ...]) and attend.
 
     Decoding is T = 1; the context-only scenario prefills the question this way on top of
-    a compressed context. The new entries are written into `slot_BKT` first, so a token
-    attends to itself and its chunk through the same position-based causal mask.
+    a compressed context. The new entries are written into `slot_LBKT` first (a method that
+    evicts while decoding picks the slot per layer and head), so a token attends to itself
+    and its chunk through the same position-based causal mask.
     """
     x = params["embed"][tokens_BT]
 
@@ -153,7 +154,7 @@ def extend(
         x, kv, st = carry
         p = layer_slice(params, layer)
         q, k, v = qkv(p, cfg, x, pos_BT)
-        kv = write(kv, layer, k, v, pos_BT, valid_BT, slot_BKT)
+        kv = write(kv, layer, k, v, pos_BT, valid_BT, slot_LBKT[layer])
         lk, lv, lp, lval = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in kv)
         ok = attention.mask(pos_BT, lp, lval, cfg.sliding_window)
         if hook is None:
