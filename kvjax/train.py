@@ -145,8 +145,12 @@ def optimizer(tc: TrainConfig):
 
 
 def train(config_path: str | Path, workdir: str | Path, export: str | Path | None = None,
-          steps: int | None = None, log_every: int = 10) -> dict:
-    """Run (or resume) training up to `steps` (default: the config's), export at the end."""
+          steps: int | None = None, log_every: int = 10, export_early: bool = False) -> dict:
+    """Run (or resume) training up to `steps` (default: the config's).
+
+    Exports when the schedule is complete, or at `steps` with `export_early` (an interim
+    model: its step is recorded next to the weights).
+    """
     import orbax.checkpoint as ocp
 
     cfg, tc, raw = load_configs(config_path)
@@ -190,8 +194,8 @@ def train(config_path: str | Path, workdir: str | Path, export: str | Path | Non
     with open(workdir / "train_log.jsonl", "a") as f:
         for rec in log:
             f.write(json.dumps(rec) + "\n")
-    if export is not None and stop == tc.steps:
-        export_model(export, cfg, params, raw)
+    if export and (stop == tc.steps or export_early):
+        export_model(export, cfg, params, {**raw, "trained_steps": stop})
     return {"params": params, "opt_state": opt_state, "step": stop, "log": log}
 
 
@@ -215,8 +219,10 @@ def main(argv=None) -> int:
     p.add_argument("--export", default="kvjax/assets/tiny-retrieval")
     p.add_argument("--steps", type=int, default=None, help="stop early at this step (resumable)")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--export-early", action="store_true",
+                   help="export at --steps even though the schedule is not finished")
     a = p.parse_args(argv)
-    train(a.config, a.workdir, a.export, a.steps, a.log_every)
+    train(a.config, a.workdir, a.export, a.steps, a.log_every, a.export_early)
     return 0
 
 
