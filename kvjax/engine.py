@@ -88,15 +88,12 @@ def prefill(params, tokens_BT, valid_BT, *, cfg: ModelConfig, method: Method, ca
     """Prefill + compression: last-token logits [B, V], cache, method state, method stats."""
     B, T = tokens_BT.shape
     pos_BT = positions(valid_BT, jnp.zeros((B,), jnp.int32))
-    state = method.init_state(cfg, B, T)
-    x, kv, state = transformer.prefill(params, cfg, tokens_BT, valid_BT, pos_BT,
-                                       method.after_layer_prefill, state)
-    kv, state, stats = method.finalize(kv, state)
+    x_BD, kv, state, stats = method.prefill(params, cfg, tokens_BT, valid_BT, pos_BT)
     kept = kv[0].shape[3]
     cache = kvcache.KVCache(*kv, end=jnp.asarray(kept, jnp.int32),
                             next_pos=jnp.sum(valid_BT, axis=1, dtype=jnp.int32))
     cache = kvcache.pad_capacity(cache, capacity)
-    return transformer.unembed(params, cfg, x[:, -1]), cache, state, stats
+    return transformer.unembed(params, cfg, x_BD), cache, state, stats
 
 
 def _extend(params, cache: kvcache.KVCache, tokens_BT, valid_BT, cfg, method, state):

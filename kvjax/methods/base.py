@@ -6,6 +6,10 @@ is itself the uncompressed baseline `full`.
 
 hooks (engine call sites):
   validate(n, cfg)              before tracing: reject budgets the prompt cannot satisfy
+  prefill(params, cfg, ...)     the whole prefill; the default scans all layers on the full
+                                prompt and calls the next three hooks. Methods that change
+                                the token set between layers (ASL, FastKV, GemFilter,
+                                SlimInfer) override it
   kept_slots(n)                 static slots per (layer, head) after prefill
   init_state(cfg, batch, n)     method state pytree carried through the prefill scan
   after_layer_prefill(io, st)   inside the layer scan: what this layer keeps (-> LayerKV)
@@ -23,6 +27,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from kvjax.config import ModelConfig
+from kvjax.models import transformer
 from kvjax.models.transformer import LayerIO
 
 # (k [B,K,S,Dh], v [B,K,S,Dh], pos [B,K,S], valid [B,K,S]) for one layer
@@ -41,6 +46,15 @@ class Method:
 
     def kept_slots(self, n: int) -> int:
         return n
+
+    def prefill(self, params, cfg: ModelConfig, tokens_BT, valid_BT, pos_BT):
+        """-> (hidden state of the last prompt token [B, D], (k, v, pos, valid) stacked over
+        layers with `kept_slots(T)` slots, decode state, stats)."""
+        state = self.init_state(cfg, *tokens_BT.shape)
+        x, kv, state = transformer.prefill(params, cfg, tokens_BT, valid_BT, pos_BT,
+                                           self.after_layer_prefill, state)
+        kv, state, stats = self.finalize(kv, state)
+        return x[:, -1], kv, state, stats
 
     def init_state(self, cfg: ModelConfig, batch: int, n: int) -> Any:
         return None
