@@ -90,8 +90,10 @@ def prefill(params, tokens_BT, valid_BT, *, cfg: ModelConfig, method: Method, ca
     pos_BT = positions(valid_BT, jnp.zeros((B,), jnp.int32))
     x_BD, kv, state, stats = method.prefill(params, cfg, tokens_BT, valid_BT, pos_BT)
     kept = kv[0].shape[3]
-    cache = kvcache.KVCache(*kv, end=jnp.asarray(kept, jnp.int32),
-                            next_pos=jnp.sum(valid_BT, axis=1, dtype=jnp.int32))
+    # the next token follows the largest kept position (the last prompt token is always
+    # kept; GemFilter-style second passes renumber positions)
+    next_pos = jnp.max(jnp.where(kv[3], kv[2], -1), axis=(0, 2, 3)) + 1
+    cache = kvcache.KVCache(*kv, end=jnp.asarray(kept, jnp.int32), next_pos=next_pos)
     cache = kvcache.pad_capacity(cache, capacity)
     return transformer.unembed(params, cfg, x_BD), cache, state, stats
 

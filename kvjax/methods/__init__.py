@@ -57,4 +57,9 @@ def create(name: str, **overrides) -> Method:
 register(Method)
 Full = Method
 
-__all__ = ["Method", "Full", "register", "names", "get", "create", "config"]
+# importing a family registers its methods
+from kvjax.methods import asl  # noqa: E402,F401
+from kvjax.methods.asl import ASL, ASL2Pass, ASLFullBefore, FastKV, GemFilter  # noqa: E402
+
+__all__ = ["Method", "Full", "register", "names", "get", "create", "config", "ASL",
+           "ASL2Pass", "ASLFullBefore", "FastKV", "GemFilter"]
