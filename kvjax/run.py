@@ -76,18 +76,13 @@ def overrides(pairs: list[str]) -> dict:
 
 
 def make_method(name: str, budget: int | None, ratio: float | None, context: int, extra: dict):
-    """A configured method; budgets apply to methods that have a `budget` parameter."""
+    """A configured method at a budget (`--budget`, or `--ratio` of the context)."""
     from kvjax import methods
 
-    cls = methods.get(name)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kw = dict(extra)
-    if "budget" in fields:
-        if budget is not None:
-            kw["budget"] = budget
-        elif ratio is not None:
-            kw["budget"] = max(1, int(round(context * ratio)))
-    return methods.create(name, **kw)
+    method = methods.create(name, **extra)
+    if budget is None and ratio is not None:
+        budget = max(1, int(round(context * ratio)))
+    return method if budget is None else method.with_budget(budget)
 
 
 def evaluate(model, method, task: str, context: int, args, budget, ratio, pbar=None) -> dict:
@@ -134,7 +129,8 @@ def evaluate(model, method, task: str, context: int, args, budget, ratio, pbar=N
 
     record = {
         "method": method.name,
-        "budget": getattr(method, "budget", None),
+        "budget": budget if budget is not None else (
+            max(1, int(round(context * ratio))) if ratio is not None else None),
         "ratio": ratio,
         "scenario": args.scenario,
         "task": task,
@@ -187,18 +183,20 @@ def main(argv=None) -> int:
     runs = []
     for name, (b, r), task, ctx in itertools.product(args.method, budgets, args.task, args.context):
         method = make_method(name, b, r, ctx, extra)
+        if method == make_method(name, None, None, ctx, extra):
+            b, r = None, None  # a method without a budget (`full`) runs once
         key = (method, task, ctx)
-        if key not in [k for k, *_ in runs]:  # `full` ignores budgets: run it once
+        if key not in [k for k, *_ in runs]:
             runs.append((key, b, r))
     records = []
     total = len(runs) * args.samples
     t0 = time.perf_counter()
     with tqdm(total=total, disable=args.no_progress, unit="sample", file=sys.stderr) as pbar:
         for (method, task, ctx), b, r in runs:
-            pbar.set_description(f"{method.name} b={getattr(method, 'budget', '-')} {task} {ctx}")
+            pbar.set_description(f"{method.name} b={b if b is not None else r} {task} {ctx}")
             rec = evaluate(model, method, task, ctx, args, b, r, pbar)
             records.append(rec)
-            pbar.write(f"{rec['method']:>16} budget={str(rec['budget']):>5} {task:>18} "
+            pbar.write(f"{rec['method']:>16} budget={str(rec['budget']):>5} {task:>16} "
                        f"ctx={ctx:>5} acc={rec['accuracy']:.3f} "
                        f"kv={rec['kv_fraction']:.3f} ttft={rec['ttft_s']*1e3:.1f}ms "
                        f"tpot={(rec['tpot_s'] or 0)*1e3:.2f}ms")

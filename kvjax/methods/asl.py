@@ -64,6 +64,9 @@ class ASL(LayerwiseSelection):
         if self.fallback_layer is not None and not 0 <= self.fallback_layer < cfg.num_layers:
             raise ValueError(f"fallback_layer={self.fallback_layer} outside [0, {cfg.num_layers})")
 
+    def with_budget(self, budget: int) -> "ASL":
+        return dataclasses.replace(self, select_k=budget, budget=None)  # the paper: both equal
+
     def lmin(self, cfg: ModelConfig) -> int:
         return cfg.num_layers // 3 if self.l_min is None else self.l_min
 
@@ -172,3 +175,6 @@ class GemFilter(LayerwiseSelection):
         if self.select_layer is not None:
             return self.select_layer
         return scaled_layer(self.filter_layer_of_32, cfg.num_layers)
+
+    def with_budget(self, budget: int) -> "GemFilter":
+        return dataclasses.replace(self, select_k=budget)

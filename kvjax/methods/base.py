@@ -44,6 +44,13 @@ class Method:
     def validate(self, n: int, cfg: ModelConfig) -> None:
         """Raise ValueError naming the bad value when this method cannot run on n tokens."""
 
+    def with_budget(self, budget: int) -> "Method":
+        """This method at a KV budget of `budget` entries per (layer, KV head) (`--budget`);
+        a method without a budget (`full`) is returned unchanged."""
+        if "budget" in {f.name for f in dataclasses.fields(self)}:
+            return dataclasses.replace(self, budget=budget)
+        return self
+
     def kept_slots(self, n: int) -> int:
         return n
 
