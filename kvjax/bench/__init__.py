@@ -1,0 +1,1 @@
+"""Benchmarks: every figure is measured in the run that prints it, ratios within one run."""
