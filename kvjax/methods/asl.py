@@ -29,11 +29,6 @@ from kvjax.methods import register
 from kvjax.methods.layerwise import LayerwiseSelection, descending_ranks
 
 
-def scaled_layer(layer_of_32: int, num_layers: int) -> int:
-    """A layer index given for a 32-layer Llama, scaled to the model's depth."""
-    return int(round(layer_of_32 * num_layers / 32))
-
-
 @register
 @dataclasses.dataclass(frozen=True)
 class ASL(LayerwiseSelection):
@@ -129,14 +124,9 @@ class FastKV(LayerwiseSelection):
     kernel: int = 7
     pooling: str = "max"
     gqa: str = "mean"
-    tsp_layer_of_32: int = 15
+    layer_of_32: int = 15  # the TSP layer
     tsp_rate: float = 0.2
     kv_rate: float = 0.1
-
-    def fixed_layer(self, cfg: ModelConfig) -> int:
-        if self.select_layer is not None:
-            return self.select_layer
-        return scaled_layer(self.tsp_layer_of_32, cfg.num_layers)
 
     def resolved(self, n: int) -> "FastKV":
         """Token counts from the rates, for a prompt (bucket) of n tokens."""
@@ -169,12 +159,7 @@ class GemFilter(LayerwiseSelection):
     pooling: str = "avg"
     last_query_raw: bool = True
     second_pass: bool = True
-    filter_layer_of_32: int = 13
-
-    def fixed_layer(self, cfg: ModelConfig) -> int:
-        if self.select_layer is not None:
-            return self.select_layer
-        return scaled_layer(self.filter_layer_of_32, cfg.num_layers)
+    layer_of_32: int = 13  # the filter layer
 
     def with_budget(self, budget: int) -> "GemFilter":
         return dataclasses.replace(self, select_k=budget)

@@ -108,7 +108,8 @@ class LayerwiseSelection(Method):
     kv_before: str = "snapkv"
     second_pass: bool = False
     reposition: bool = True
-    select_layer: int | None = None  # fixed selection layer (FastKV, GemFilter)
+    select_layer: int | None = None  # fixed selection layer (FastKV, GemFilter) ...
+    layer_of_32: int | None = None  # ... or given for a 32-layer Llama, scaled to the depth
     last_query_raw: bool = False  # GemFilter: last query, raw q.k, no softmax
     budget: int | None = None  # KV kept per layer and KV head (None: select_k)
     gqa: str = "sum"  # reduction over the query heads of a KV group: "sum" or "mean"
@@ -158,6 +159,8 @@ class LayerwiseSelection(Method):
         return ()
 
     def fixed_layer(self, cfg: ModelConfig) -> int | None:
+        if self.select_layer is None and self.layer_of_32 is not None:
+            return int(round(self.layer_of_32 * cfg.num_layers / 32))
         return self.select_layer
 
     def exit_test(self, layer, s_P, valid_P, ex, cfg: ModelConfig):
