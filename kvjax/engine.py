@@ -181,7 +181,7 @@ def _compiled(fn, args: tuple, **static):
     """
     leaves, tree = jax.tree.flatten(args)
     key = (fn, tuple(sorted(static.items())), tree,
-           tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
+           tuple((np.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves))
     if key not in _EXECUTABLES:
         t0 = time.perf_counter()
         _EXECUTABLES[key] = (fn.lower(*args, **static).compile(), time.perf_counter() - t0)
@@ -205,10 +205,12 @@ def run(
     sampling: Sampling = Sampling(),
     stop_ids: tuple[int, ...] | None = None,
     seed: int = 0,
+    batch_sharding=None,
 ) -> Generation:
     """Compress each prompt (and, context-only, append its question), then decode.
 
     Timings exclude compilation: `compile_s` reports it separately (0 when cached).
+    `batch_sharding` (see `kvjax.distributed`) places the token arrays across devices.
     """
     method = method or Method()
     if max_new_tokens < 0:
@@ -225,6 +227,8 @@ def run(
     stop_ids = tuple(cfg.eos_token_ids) if stop_ids is None else tuple(stop_ids)
     T = bucket(max(len(p) for p in prompts))
     tokens, valid = pad_left(prompts, T, cfg.pad_token_id)
+    if batch_sharding is not None:
+        tokens, valid = jax.device_put((tokens, valid), batch_sharding)
     Tq = bucket(max(len(q) for q in questions), 1) if questions else 0
     capacity = method.kept_slots(T) + Tq + max_new_tokens
 
@@ -235,6 +239,8 @@ def run(
     ttft = time.perf_counter() - t0
     if questions:
         qt, qv = pad_left(questions, Tq, cfg.pad_token_id)
+        if batch_sharding is not None:
+            qt, qv = jax.device_put((qt, qv), batch_sharding)
         ext, c = _compiled(extend, (params, cache, qt, qv, state), cfg=cfg, method=method)
         compile_s += c
         t0 = time.perf_counter()
