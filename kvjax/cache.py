@@ -78,6 +78,42 @@ def write(
     )
 
 
+def append(cache: KVCache, k_LBKD: Array, v_LBKD: Array, valid_B: Bool[Array, "B"] | None = None
+           ) -> KVCache:
+    """Write one decoded token of every layer at slot `end`, position `next_pos`."""
+    L, B, K = k_LBKD.shape[:3]
+    valid_B = jnp.ones((B,), bool) if valid_B is None else valid_B
+    idx = (slice(None), slice(None), slice(None), cache.end)
+    pos = jnp.broadcast_to(cache.next_pos[None, :, None], (L, B, K))
+    return dataclasses.replace(
+        cache,
+        k=cache.k.at[idx].set(k_LBKD.astype(cache.k.dtype)),
+        v=cache.v.at[idx].set(v_LBKD.astype(cache.v.dtype)),
+        pos=cache.pos.at[idx].set(pos),
+        valid=cache.valid.at[idx].set(jnp.broadcast_to(valid_B[None, :, None], (L, B, K))),
+        end=cache.end + 1,
+        next_pos=cache.next_pos + valid_B.astype(jnp.int32),
+    )
+
+
+def keep(cache: KVCache, keep_LBKC: Bool[Array, "L B K C"], capacity: int) -> KVCache:
+    """Keep the live slots marked in `keep` and compact them to the front, in slot order.
+
+    Each (layer, element, head) may keep a different number; the rest of the `capacity`
+    slots are dead. Raises nothing under jit: keeping more than `capacity` drops the last
+    ones, so callers size `capacity` to their largest count.
+    """
+    keep_LBKC = keep_LBKC & cache.valid
+    order = jnp.argsort(~keep_LBKC, axis=-1, stable=True)[..., :capacity]
+    take = lambda x: jnp.take_along_axis(x, order[..., None] if x.ndim == 5 else order, axis=3)
+    count = jnp.sum(keep_LBKC, axis=-1, keepdims=True)
+    return dataclasses.replace(
+        cache, k=take(cache.k), v=take(cache.v), pos=take(cache.pos),
+        valid=jnp.arange(order.shape[-1]) < count,
+        end=jnp.minimum(jnp.max(count), capacity).astype(jnp.int32),
+    )
+
+
 def gather(
     x_BKC: Array, idx_BKS: Int[Array, "B K S"]
 ) -> Array:

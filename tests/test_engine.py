@@ -161,3 +161,24 @@ def test_bad_input(params):
         engine.run(params, CFG, [_prompt(5)], max_new_tokens=-1)
     with pytest.raises(ValueError, match="top_p"):
         engine.Sampling(1.0, 0.0)
+
+
+def test_cache_append_and_keep():
+    c = kvcache.init(CFG, batch=2, capacity=5)
+    for t in range(4):
+        kt = jnp.full((2, 2, 2, 8), float(t + 1))
+        c = kvcache.append(c, kt, -kt, valid_B=jnp.array([True, t != 2]))
+    assert int(c.end) == 4 and list(np.asarray(c.next_pos)) == [4, 3]
+    assert list(np.asarray(c.pos[0, 1, 0, :4])) == [0, 1, 2, 2] and not bool(c.valid[0, 1, 0, 2])
+    mask = jnp.zeros(c.valid.shape, bool).at[:, :, 0, jnp.array([1, 3])].set(True)
+    mask = mask.at[:, :, 1, 0].set(True)
+    kept = kvcache.keep(c, mask, capacity=3)
+    assert kept.capacity == 3 and int(kept.end) == 2
+    # head 0 keeps slots 1 and 3 in order, head 1 keeps slot 0; positions travel with them
+    assert list(np.asarray(kept.pos[0, 0, 0, :2])) == [1, 3]
+    assert list(np.asarray(kept.valid[0, 0, 0])) == [True, True, False]
+    assert list(np.asarray(kept.valid[0, 0, 1])) == [True, False, False]
+    assert float(kept.k[0, 0, 0, 1, 0]) == 4.0 and float(kept.v[0, 0, 1, 0, 0]) == -1.0
+    # element 1's dead slot 2 is not resurrected by the mask
+    m2 = jnp.ones(c.valid.shape, bool)
+    assert int(kvcache.keep(c, m2, 5).valid[0, 1, 0].sum()) == 3
