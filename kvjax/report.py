@@ -1,0 +1,87 @@
+"""Tables and plots of `python -m kvjax.run` records, for docs/results and the model card.
+
+Every number a table shows comes from a record measured by `kvjax.run`; this module only
+arranges them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterable
+
+
+def load_records(*paths: str | Path) -> list[dict]:
+    out = []
+    for p in paths:
+        out += json.loads(Path(p).read_text())["records"]
+    return out
+
+
+def pivot(records: Iterable[dict], row: Callable[[dict], object], col: Callable[[dict], object],
+          value: Callable[[dict], float]) -> tuple[list, list, dict]:
+    rows, cols, cells = [], [], {}
+    for r in records:
+        a, b = row(r), col(r)
+        rows += [a] if a not in rows else []
+        cols += [b] if b not in cols else []
+        cells[a, b] = value(r)
+    return rows, cols, cells
+
+
+def markdown_table(records: Iterable[dict], row, col, value, fmt: str = "{:.2f}",
+                   row_name: str = "", mean_col: bool = False) -> str:
+    """A markdown table: one row per `row(record)`, one column per `col(record)`."""
+    rows, cols, cells = pivot(records, row, col, value)
+    head = [row_name, *map(str, cols)] + (["mean"] if mean_col else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for a in rows:
+        vals = [cells.get((a, b)) for b in cols]
+        txt = [fmt.format(v) if v is not None else "-" for v in vals]
+        if mean_col:
+            got = [v for v in vals if v is not None]
+            txt.append(fmt.format(sum(got) / len(got)) if got else "-")
+        lines.append("| " + " | ".join([str(a), *txt]) + " |")
+    return "\n".join(lines)
+
+
+def plot_lines(records: Iterable[dict], series, x, y, path: str | Path, xlabel: str, ylabel: str,
+               title: str = "", logx: bool = False) -> Path | None:
+    """One line per `series(record)` of y against x; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows, cols, cells = pivot(records, series, x, y)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in rows:
+        pts = sorted((c, cells[s, c]) for c in cols if (s, c) in cells)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(s))
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def replace_section(doc: str | Path, marker: str, body: str) -> None:
+    """Replace the text between `<!-- marker -->` and `<!-- /marker -->` in a file."""
+    path = Path(doc)
+    text = path.read_text()
+    start, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
+    if start not in text or end not in text:
+        raise ValueError(f"{path} has no {start} ... {end} section")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{start}\n{body}\n{end}{tail}")
