@@ -108,6 +108,24 @@ def loss_fn(params, cfg, batch, lm_weight, remat=True):
                                              "answer_token_acc": acc}
 
 
+COPY_SPAN = 16
+
+
+def copy_example(context_length: int, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+    """A training-only task that makes induction heads form early: a haystack, then one of
+    its tokens again; the target is the `COPY_SPAN` tokens that followed it. Retrieval on
+    every task is this circuit (find the cue earlier, copy what came after)."""
+    from kvjax.tasks import haystack
+    from kvjax.tasks.tokenizer import BOS_ID, EOS_ID, token_ids
+
+    ids = token_ids(haystack.tokens(rng, context_length - 2))
+    counts = np.bincount(ids)
+    # a cue that occurs once, so that what follows it is unambiguous
+    cand = [i for i in range(len(ids) - COPY_SPAN - 1) if counts[ids[i]] == 1]
+    s = int(rng.choice(cand)) if cand else int(rng.integers(0, len(ids) - COPY_SPAN - 1))
+    return [BOS_ID, *ids, ids[s]], [*ids[s + 1: s + 1 + COPY_SPAN], EOS_ID]
+
+
 def make_batch(tc: TrainConfig, step: int) -> dict:
     """The batch of `step`: deterministic in (seed, step), independent of earlier steps."""
     from kvjax import tasks
@@ -119,7 +137,10 @@ def make_batch(tc: TrainConfig, step: int) -> dict:
     seqs = []
     for _ in range(batch_size):
         name = names[rng.choice(len(names), p=w / w.sum())]
-        prompt, target = tasks.training_example(name, context, rng)
+        if name == "copy":
+            prompt, target = copy_example(context, rng)
+        else:
+            prompt, target = tasks.training_example(name, context, rng)
         seqs.append((prompt, target))
     T = max(len(p) + len(t) for p, t in seqs) - 1
     T = -(-T // 64) * 64  # few distinct shapes: few compilations

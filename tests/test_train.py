@@ -65,3 +65,13 @@ def test_export_loads(config_path, tmp_path):
     model = kvjax.load(tmp_path)
     assert model.cfg == cfg and _leaves_equal(model.params, params)
     assert model.decode(model.encode("the sky is blue .", bos=False)) == "the sky is blue."
+
+
+def test_copy_example_targets_follow_a_unique_cue():
+    for seed in range(5):
+        prompt, target = train.copy_example(128, np.random.default_rng(seed))
+        assert len(prompt) == 128 and len(target) == train.COPY_SPAN + 1 and target[-1] == 2
+        body, cue = prompt[1:-1], prompt[-1]
+        assert body.count(cue) == 1
+        i = body.index(cue)
+        assert body[i + 1: i + 1 + train.COPY_SPAN] == target[:-1]
