@@ -41,7 +41,8 @@ class TrainConfig:
     curriculum: tuple = ((0, 256, 8),)
     tasks: tuple = (("niah_single", 1.0),)
     checkpoint_every: int = 100
-    remat: bool = True
+    remat_from: int = 1024  # rematerialise layers from this context on (below, memory is
+    # plentiful and remat only costs a third more compute)
 
     def stage(self, step: int) -> tuple[int, int]:
         """(context length, batch size) at `step`."""
@@ -108,22 +109,30 @@ def loss_fn(params, cfg, batch, lm_weight, remat=True):
                                              "answer_token_acc": acc}
 
 
-COPY_SPAN = 16
+def copy_span(context_length: int) -> int:
+    """Target tokens of a copy example: a quarter of the context up to 64, so that copy
+    targets are about as many per batch as the tasks' answer tokens (~5 per example) and
+    the induction signal is dense without drowning the answers."""
+    return min(max(context_length // 4, 8), 64)
 
 
 def copy_example(context_length: int, rng: np.random.Generator) -> tuple[list[int], list[int]]:
     """A training-only task that makes induction heads form early: a haystack, then one of
-    its tokens again; the target is the `COPY_SPAN` tokens that followed it. Retrieval on
-    every task is this circuit (find the cue earlier, copy what came after)."""
+    its tokens again; the target is the `copy_span` tokens that followed it. Retrieval on
+    every task is this circuit (find the cue earlier, copy what came after), and every
+    target token here is one step of it, so the signal is dense where the tasks' answers
+    are a few tokens per sequence."""
     from kvjax.tasks import haystack
     from kvjax.tasks.tokenizer import BOS_ID, EOS_ID, token_ids
 
-    ids = token_ids(haystack.tokens(rng, context_length - 2))
+    span = copy_span(context_length)
+    ids = token_ids(haystack.tokens(rng, context_length - span - 1))
     counts = np.bincount(ids)
     # a cue that occurs once, so that what follows it is unambiguous
-    cand = [i for i in range(len(ids) - COPY_SPAN - 1) if counts[ids[i]] == 1]
-    s = int(rng.choice(cand)) if cand else int(rng.integers(0, len(ids) - COPY_SPAN - 1))
-    return [BOS_ID, *ids, ids[s]], [*ids[s + 1: s + 1 + COPY_SPAN], EOS_ID]
+    last = len(ids) - span  # the copied tokens lie inside the haystack
+    cand = [i for i in range(last) if counts[ids[i]] == 1]
+    s = int(rng.choice(cand)) if cand else int(rng.integers(0, last))
+    return [BOS_ID, *ids, ids[s]], [*ids[s + 1: s + span], EOS_ID]
 
 
 def make_batch(tc: TrainConfig, step: int) -> dict:
@@ -193,7 +202,7 @@ def train(config_path: str | Path, workdir: str | Path, export: str | Path | Non
     @jax.jit
     def update(params, opt_state, batch):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, cfg, batch, tc.lm_weight, tc.remat)
+            params, cfg, batch, tc.lm_weight, batch["inputs"].shape[1] >= tc.remat_from)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, aux
 

@@ -70,8 +70,10 @@ def test_export_loads(config_path, tmp_path):
 def test_copy_example_targets_follow_a_unique_cue():
     for seed in range(5):
         prompt, target = train.copy_example(128, np.random.default_rng(seed))
-        assert len(prompt) == 128 and len(target) == train.COPY_SPAN + 1 and target[-1] == 2
+        span = train.copy_span(128)
+        # prompt + target fill the context exactly: copy examples pad no batch
+        assert len(prompt) + len(target) == 129 and len(target) == span and target[-1] == 2
         body, cue = prompt[1:-1], prompt[-1]
         assert body.count(cue) == 1
         i = body.index(cue)
-        assert body[i + 1: i + 1 + train.COPY_SPAN] == target[:-1]
+        assert body[i + 1: i + span] == target[:-1]
