@@ -90,11 +90,10 @@ def prefill(params, tokens_BT, valid_BT, *, cfg: ModelConfig, method: Method, ca
     pos_BT = positions(valid_BT, jnp.zeros((B,), jnp.int32))
     x_BD, kv, state, stats = method.prefill(params, cfg, tokens_BT, valid_BT, pos_BT)
     kept = kv[0].shape[3]
-    # the next token follows the largest kept position (the last prompt token is always
-    # kept; GemFilter-style second passes renumber positions)
-    next_pos = jnp.max(jnp.where(kv[3], kv[2], -1), axis=(0, 2, 3)) + 1
+    next_pos = method.next_position(kv, pos_BT, valid_BT)
     cache = kvcache.KVCache(*kv, end=jnp.asarray(kept, jnp.int32), next_pos=next_pos)
     cache = kvcache.pad_capacity(cache, capacity)
+    state = method.pad_state(state, capacity)
     return transformer.unembed(params, cfg, x_BD), cache, state, stats
 
 
@@ -230,7 +229,7 @@ def run(
     if batch_sharding is not None:
         tokens, valid = jax.device_put((tokens, valid), batch_sharding)
     Tq = bucket(max(len(q) for q in questions), 1) if questions else 0
-    capacity = method.kept_slots(T) + Tq + max_new_tokens
+    capacity = method.decode_capacity(method.cache_slots(T, cfg), Tq, max_new_tokens)
 
     pre, compile_s = _compiled(prefill, (params, tokens, valid), cfg=cfg, method=method,
                                capacity=capacity)
@@ -251,12 +250,22 @@ def run(
     decode_s, out, n = 0.0, np.zeros((len(prompts), 0), np.int32), np.zeros(len(prompts), int)
     if max_new_tokens > 0:
         rng = jax.random.PRNGKey(seed)
-        dec, c = _compiled(decode, (params, cache, logits, rng, state), cfg=cfg, method=method,
-                           max_new=max_new_tokens, sampling=sampling, stop_ids=stop_ids)
-        compile_s += c
-        t1 = time.perf_counter()
-        out, n, cache, state = _block(dec(params, cache, logits, rng, state))
-        decode_s = time.perf_counter() - t1
+        driver = method.decode_driver()
+        if driver is not None:  # a method-owned host loop of compiled steps (see Method)
+            out, n, cache, state, dstats = driver(
+                params, cfg, cache, logits, rng, state, max_new=max_new_tokens,
+                sampling=sampling, stop_ids=stop_ids, sample=sample)
+            compile_s += dstats.pop("compile_s")
+            decode_s = dstats.pop("decode_s")
+            stats = {**stats, **dstats}
+        else:
+            dec, c = _compiled(decode, (params, cache, logits, rng, state), cfg=cfg,
+                               method=method, max_new=max_new_tokens, sampling=sampling,
+                               stop_ids=stop_ids)
+            compile_s += c
+            t1 = time.perf_counter()
+            out, n, cache, state = _block(dec(params, cache, logits, rng, state))
+            decode_s = time.perf_counter() - t1
     out, n = np.asarray(out), np.asarray(n)
     steps = min(int(n.max()) + 1, max_new_tokens) if max_new_tokens else 0
     n_in = sum(len(p) for p in prompts) + sum(len(q) for q in questions or [])

@@ -31,7 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--method", type=_csv(str), default=["full"], help="comma-separated methods")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--budget", type=_csv(int), help="KV entries kept per layer and head (list)")
-    g.add_argument("--ratio", type=_csv(float), help="fraction of the context kept (list)")
+    g.add_argument("--ratio", type=_csv(float), help="compression ratio as in kvpress: the fraction of the context "
+                   "removed; keeps int(context * (1 - r)) per layer and head (list)")
     p.add_argument("--task", type=_csv(str), default=["niah_single"], help="comma-separated tasks")
     p.add_argument("--context", type=_csv(int), default=[1024], help="context lengths (tokens)")
     p.add_argument("--samples", type=int, default=20)
@@ -47,14 +48,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--list-methods", action="store_true")
     p.add_argument("--list-tasks", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--kernels", choices=("auto", "xla", "pallas"), default="auto",
+                   help="kvjax.pallas ops: auto = Pallas where the backend compiles it (TPU, "
+                        "Hopper GPU), else xla; pallas on CPU runs them interpreted (slow)")
     args = p.parse_args(argv)
     if args.samples < 1:
         p.error(f"--samples must be >= 1, got {args.samples}")
     if args.batch_size < 1:
         p.error(f"--batch-size must be >= 1, got {args.batch_size}")
     for r in args.ratio or []:
-        if not 0 < r <= 1:
-            p.error(f"--ratio values must be in (0, 1], got {r}")
+        if not 0 <= r < 1:
+            p.error(f"--ratio values must be in [0, 1) (the fraction removed), got {r}")
     return args
 
 
@@ -75,13 +79,18 @@ def overrides(pairs: list[str]) -> dict:
     return out
 
 
+def ratio_budget(context: int, ratio: float) -> int:
+    """kvpress's arithmetic: a compression ratio r keeps int(n * (1 - r)) entries."""
+    return max(1, int(context * (1 - ratio)))
+
+
 def make_method(name: str, budget: int | None, ratio: float | None, context: int, extra: dict):
-    """A configured method at a budget (`--budget`, or `--ratio` of the context)."""
+    """A configured method at a budget (`--budget`, or the kvpress compression `--ratio`)."""
     from kvjax import methods
 
     method = methods.create(name, **extra)
     if budget is None and ratio is not None:
-        budget = max(1, int(round(context * ratio)))
+        budget = ratio_budget(context, ratio)
     return method if budget is None else method.with_budget(budget)
 
 
@@ -130,7 +139,7 @@ def evaluate(model, method, task: str, context: int, args, budget, ratio, pbar=N
     record = {
         "method": method.name,
         "budget": budget if budget is not None else (
-            max(1, int(round(context * ratio))) if ratio is not None else None),
+            ratio_budget(context, ratio) if ratio is not None else None),
         "ratio": ratio,
         "scenario": args.scenario,
         "task": task,
@@ -156,7 +165,9 @@ def evaluate(model, method, task: str, context: int, args, budget, ratio, pbar=N
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from kvjax import methods
+    from kvjax import methods, pallas
+
+    pallas.set_default_implementation(args.kernels)
 
     if args.list_methods:
         print("\n".join(methods.names()))
@@ -183,7 +194,8 @@ def main(argv=None) -> int:
     runs = []
     for name, (b, r), task, ctx in itertools.product(args.method, budgets, args.task, args.context):
         method = make_method(name, b, r, ctx, extra)
-        if method == make_method(name, None, None, ctx, extra):
+        base = make_method(name, None, None, ctx, extra)
+        if base.with_budget(1) == base.with_budget(2):
             b, r = None, None  # a method without a budget (`full`) runs once
         key = (method, task, ctx)
         if key not in [k for k, *_ in runs]:

@@ -61,5 +61,22 @@ Full = Method
 from kvjax.methods import asl  # noqa: E402,F401
 from kvjax.methods.asl import ASL, ASL2Pass, ASLFullBefore, FastKV, GemFilter  # noqa: E402
 
+from kvjax.methods import adakv, h2o, observed_attention, pyramidkv, snapkv, streaming_llm, tova  # noqa: E402,F401,I001
+from kvjax.methods import cake, lava  # noqa: E402,F401,I001
+from kvjax.methods.adakv import AdaPyramidKV, AdaSnapKV  # noqa: E402
+from kvjax.methods.h2o import H2O  # noqa: E402
+from kvjax.methods.observed_attention import ObservedAttention  # noqa: E402
+from kvjax.methods.pyramidkv import PyramidKV  # noqa: E402
+from kvjax.methods.snapkv import SnapKV  # noqa: E402
+from kvjax.methods.streaming_llm import StreamingLLM  # noqa: E402
+from kvjax.methods.tova import TOVA  # noqa: E402
+from kvjax.methods import d2o  # noqa: E402,F401
+from kvjax.methods.d2o import D2O, D2OCode  # noqa: E402
+from kvjax.methods import critical  # noqa: E402,F401
+from kvjax.methods import slim  # noqa: E402,F401
+from kvjax.methods.slim import LazyLLM, SlimInfer  # noqa: E402
+
 __all__ = ["Method", "Full", "register", "names", "get", "create", "config", "ASL",
-           "ASL2Pass", "ASLFullBefore", "FastKV", "GemFilter"]
+           "ASL2Pass", "ASLFullBefore", "FastKV", "GemFilter", "SnapKV", "PyramidKV",
+           "AdaSnapKV", "AdaPyramidKV", "StreamingLLM", "TOVA", "H2O", "ObservedAttention",
+           "SlimInfer", "LazyLLM"]

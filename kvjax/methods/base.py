@@ -11,20 +11,37 @@ hooks (engine call sites):
                                 the token set between layers (ASL, FastKV, GemFilter,
                                 SlimInfer) override it
   kept_slots(n)                 static slots per (layer, head) after prefill
+  cache_slots(n, cfg)           the same on a given model (default kept_slots(n)); for
+                                methods whose slot count depends on it (AdaKV: heads)
   init_state(cfg, batch, n)     method state pytree carried through the prefill scan
   after_layer_prefill(io, st)   inside the layer scan: what this layer keeps (-> LayerKV)
   finalize(kv, st)              after the scan: cross-layer allocation (LAVa, D2O, ...);
                                 returns (kv, decode state, stats)
+  next_position(kv, pos, valid)  [B] position of the first token after the prompt
+  decode_capacity(kept, q, new) static cache slots while decoding (default: append-only,
+                                kept + question + max_new; methods that evict while
+                                decoding keep a fixed budget and need far fewer)
+  pad_state(st, capacity)       the decode state once the cache has `capacity` slots
+                                (per-slot state such as H2O's accumulated scores)
   decode_slots(cache, st, T)    slots [L, B, K, T] the next T tokens are written to
                                 (None: append at `end`)
   decode_layer                  None, or a DecodeHook called after each layer's attention
                                 while decoding (H2O cumulative scores, D2O merges, ...)
+  decode_driver()               None (the engine's compiled decode loop), or a callable
+                                that owns decoding: a host loop over compiled steps, for
+                                methods that move KV between host and device between
+                                steps (SlimInfer). Called as driver(params, cfg, cache,
+                                logits, rng, state, max_new=, sampling=, stop_ids=,
+                                sample=) -> (tokens [B, max_new], counts [B], cache, state,
+                                stats incl. `compile_s` and `decode_s`)
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, ClassVar
+
+import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
 from kvjax.models import transformer
@@ -54,6 +71,9 @@ class Method:
     def kept_slots(self, n: int) -> int:
         return n
 
+    def cache_slots(self, n: int, cfg: ModelConfig) -> int:
+        return self.kept_slots(n)
+
     def prefill(self, params, cfg: ModelConfig, tokens_BT, valid_BT, pos_BT):
         """-> (hidden state of the last prompt token [B, D], (k, v, pos, valid) stacked over
         layers with `kept_slots(T)` slots, decode state, stats)."""
@@ -72,5 +92,22 @@ class Method:
     def finalize(self, kv: LayerKV, state: Any) -> tuple[LayerKV, Any, dict]:
         return kv, state, {}
 
+    def next_position(self, kv: LayerKV, pos_BT, valid_BT):
+        """[B] the position the first token after the prompt gets: the largest kept
+        position + 1 (the last prompt token is kept; GemFilter-style second passes
+        renumber positions). Methods that may evict the last token override it."""
+        return jnp.max(jnp.where(kv[3], kv[2], -1), axis=(0, 2, 3)) + 1
+
+    def decode_capacity(self, kept: int, question: int, max_new: int) -> int:
+        """Slots per (layer, head) of the decoding cache: the prefill's `kept` slots plus
+        room for a `question` chunk (context-only scenario) and `max_new` tokens."""
+        return kept + question + max_new
+
+    def pad_state(self, state: Any, capacity: int) -> Any:
+        return state
+
     def decode_slots(self, cache, state, T: int):
+        return None
+
+    def decode_driver(self):
         return None

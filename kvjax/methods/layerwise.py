@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from kvjax import pallas
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Method
 from kvjax.models import attention, transformer
@@ -149,10 +150,10 @@ class LayerwiseSelection(Method):
 
     def scores(self, q, k, valid) -> Float[Array, "B K P"]:
         """Per-KV-head token scores over the prefix (group-reduced)."""
-        if self.last_query_raw:
-            s = window_scores(q, k, valid, 1, self.kernel, self.pooling, softmax=False)
-        else:
-            s = window_scores(q, k, valid, self.window, self.kernel, self.pooling)
+        if not self.last_query_raw:  # the kernel op (`window_scores` below is its twin)
+            return pallas.window_scores(q, k, valid, window=self.window, kernel=self.kernel,
+                                        pooling=self.pooling, gqa=self.gqa, reduce="sum")
+        s = window_scores(q, k, valid, 1, self.kernel, self.pooling, softmax=False)
         return jnp.sum(s, axis=2) if self.gqa == "sum" else jnp.mean(s, axis=2)
 
     def init_exit(self, cfg: ModelConfig, P: int) -> Any:

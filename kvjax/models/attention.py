@@ -58,6 +58,12 @@ def attend(
 ):
     """Attention output [B, T, H, D] (and, if asked, probabilities [B, K, G, T, S])."""
     B, T, H, D = q_BTHD.shape
+    if T == 1 and not return_probs:  # decoding: the kernel op when one is selected
+        from kvjax import pallas
+
+        if pallas.kernels_active():
+            o = pallas.decode_attention(q_BTHD[:, 0], k_BKSD, v_BKSD, ok_BKTS[:, :, 0])
+            return o[:, None]
     p = softmax(logits(q_BTHD, k_BKSD), ok_BKTS)
     o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v_BKSD.dtype), v_BKSD,
                    preferred_element_type=jnp.float32)

@@ -87,6 +87,8 @@ class LayerIO:
     qpos: Int[Array, "B T"]
     o: Float[Array, "B T H Dh"]  # attention output before W_O
     hidden: Float[Array, "B T D"]  # residual stream after the layer
+    qvalid: Bool[Array, "B T"] | None = None  # which queries are real tokens (not padding)
+    wo: Float[Array, "HDh D"] | None = None  # the layer's W_O (prefill only; CriticalKV)
 
 
 # (LayerIO, state) -> (what the scan stores for this layer, state)
@@ -122,7 +124,8 @@ def prefill(
         q, k, v = qkv(p, cfg, x, pos_BT)
         o = attention.attend_chunked(q, k, v, pos_BT, kpos_BKT, kvalid_BKT, cfg.sliding_window)
         x = finish_layer(p, cfg, x, o)
-        out, st = hook(LayerIO(layer, q, k, v, kpos_BKT, kvalid_BKT, pos_BT, o, x), st)
+        out, st = hook(LayerIO(layer, q, k, v, kpos_BKT, kvalid_BKT, pos_BT, o, x, valid_BT,
+                                 p["o"]), st)
         return (x, st), out
 
     layers = jnp.arange(cfg.num_layers)
@@ -163,7 +166,7 @@ def extend(
         else:
             o, probs = attention.attend(q, lk, lv, ok, return_probs=True)
             x = finish_layer(p, cfg, x, o)
-            io = LayerIO(layer, q, lk, lv, lp, lval, pos_BT, o, x)
+            io = LayerIO(layer, q, lk, lv, lp, lval, pos_BT, o, x, valid_BT)
             new_layer, st = hook(io, probs, st)
             kv = tuple(jax.lax.dynamic_update_index_in_dim(a, n, layer, 0)
                        for a, n in zip(kv, new_layer))

@@ -1,0 +1,1 @@
+"""Move the kept rows of K, V and positions into fixed-capacity buffers."""

@@ -1,0 +1,36 @@
+"""The reference, in jnp: token blocks of `block`, so [B, H, block, hidden] at most.
+
+norm[b, k, i] = mean over the G query heads h of KV head k of ||V[b, k, i] W_O^h||_1, with
+W_O^h = o[h*Dh:(h+1)*Dh] the head's slice of the output projection (rows of `o`, the
+model's [H*Dh, hidden] weight; head h = k*G + g, repeat_kv order), in fp32 at full
+precision (METHODS.md section 4, kvpress `CriticalKVPress.vwl1norm`). Same arithmetic
+as `kvjax.critical.projected_value_norms` (tests hold them together).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+
+def value_norms(
+    v_BKTD: Float[Array, "B K T Dh"],
+    o_HDM: Float[Array, "HDh M"],
+    *,
+    block: int = 256,
+) -> Float[Array, "B K T"]:
+    B, K, T, Dh = v_BKTD.shape
+    H = o_HDM.shape[0] // Dh
+    w = o_HDM.reshape(K, H // K, Dh, -1).astype(jnp.float32)
+    blk = min(block, T)
+    nb = -(-T // blk)
+    v = jnp.pad(v_BKTD.astype(jnp.float32), [(0, 0), (0, 0), (0, nb * blk - T), (0, 0)])
+    v = jnp.moveaxis(v.reshape(B, K, nb, blk, Dh), 2, 0)  # [nb, B, K, blk, Dh]
+
+    def one(vb):
+        y = jnp.einsum("bktd,kgdm->bkgtm", vb, w, precision=jax.lax.Precision.HIGHEST)
+        return jnp.mean(jnp.sum(jnp.abs(y), axis=-1), axis=2)
+
+    out = jax.lax.map(one, v)  # [nb, B, K, blk]
+    return jnp.moveaxis(out, 0, 2).reshape(B, K, nb * blk)[..., :T]

@@ -1,0 +1,1 @@
+"""Pooled window attention scores of the prefix (SnapKV family, ASL, LAVa, CriticalKV)."""

@@ -1,0 +1,164 @@
+"""CriticalKV results: accuracy vs budget (base method vs its critical form) and the
+per-layer output perturbation, written to docs/results/criticalkv.md.
+
+    python scripts/criticalkv_results.py                      # full (hours on CPU)
+    python scripts/criticalkv_results.py --samples 2 --budgets 64 --tasks niah_single \
+        --out /tmp/crit --perturb-budgets 64 --perturb-samples 1   # a taste
+
+Accuracy: one `python -m kvjax.run` per scenario (context-only = the paper's setting,
+and question-aware) over the base methods snapkv, ada_snapkv, pyramidkv and their
+critical forms, 4 budgets (48/2048 = 2.3% ... 256/2048 = 12.5%), context 2048.
+Perturbation: for each layer, sum over the last `window` prompt queries of
+||(o - o_hat) W_O||_1 -- o with the full prompt, o_hat with the kept entries only --
+under the base selection and the critical selection at the same budget (mean over
+samples of a retrieval task). Every number comes from the JSON records / this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvjax import engine, methods, report, tasks  # noqa: E402
+from kvjax.api import load  # noqa: E402
+from kvjax.models import transformer  # noqa: E402
+
+PAIRS = (("snapkv", "critical_snapkv"), ("ada_snapkv", "critical_adakv"),
+         ("pyramidkv", "critical_pyramidkv"))
+SCENARIOS = ("context_only", "question_aware")
+
+
+def run_scenario(a, scenario, out: Path) -> Path:
+    path = out / f"criticalkv_{scenario}.json"
+    if path.exists():
+        print(f"{path} exists: not re-running", file=sys.stderr)
+        return path
+    ms = ",".join(["full"] + [m for p in PAIRS for m in p])
+    cmd = [sys.executable, "-m", "kvjax.run", "--model", a.model, "--method", ms,
+           "--budget", a.budgets, "--task", a.tasks, "--context", str(a.context),
+           "--scenario", scenario, "--samples", str(a.samples), "--seed", str(a.seed),
+           "--output", str(path), "--no-progress"]
+    print(" ".join(cmd[2:]), file=sys.stderr)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return path
+
+
+def perturbation(model, name: str, budget: int, ids: list[int], window: int) -> np.ndarray:
+    """[L] sum over the last `window` queries of ||(o - o_hat) W_O||_1 (jnp, fp32)."""
+    cfg, params = model.cfg, model.params
+    m = methods.create(name, budget=budget)
+    n = len(ids)
+    tokens, valid = engine.pad_left([ids], n, cfg.pad_token_id)
+    _, cache, _, _ = engine.prefill(params, tokens, valid, cfg=cfg, method=m,
+                                    capacity=m.cache_slots(n, cfg))
+    keep = np.zeros((cfg.num_layers, cfg.num_kv_heads, n), bool)
+    pos, live = np.asarray(cache.pos[:, 0]), np.asarray(cache.valid[:, 0])
+    for layer in range(cfg.num_layers):
+        for h in range(cfg.num_kv_heads):
+            keep[layer, h, pos[layer, h][live[layer, h]]] = True
+    keep = jnp.asarray(keep)
+    pos_BT = engine.positions(valid, jnp.zeros((1,), jnp.int32))
+
+    def hook(io, st):
+        q = io.q[0, -window:]  # [w, H, Dh]
+        k, v = io.k[0], io.v[0]  # [K, n, Dh]
+        H, Dh = q.shape[1], q.shape[2]
+        G = H // k.shape[0]
+        kh, vh = jnp.repeat(k, G, 0), jnp.repeat(v, G, 0)  # [H, n, Dh]
+        lg = jnp.einsum("thd,hnd->htn", q, kh) / np.sqrt(Dh)
+        causal = jnp.arange(n)[None, :] <= jnp.arange(n - window, n)[:, None]  # [w, n]
+        kp = jnp.repeat(keep[io.layer], G, 0)[:, None, :] & causal[None]
+        full = jax.nn.softmax(jnp.where(causal[None], lg, -jnp.inf), -1)
+        hat = jax.nn.softmax(jnp.where(kp, lg, -jnp.inf), -1)
+        d = jnp.einsum("htn,hnd->htd", full - hat, vh)  # [H, w, Dh]
+        wo = io.wo.reshape(H, Dh, -1)
+        return jnp.sum(jnp.abs(jnp.einsum("htd,hde->hte", d, wo))), st
+
+    _, out, _ = transformer.prefill(params, cfg, tokens, valid, pos_BT, hook, None)
+    return np.asarray(out)
+
+
+def perturbation_table(a) -> str:
+    model = load(a.model)
+    samples = tasks.generate(a.perturb_task, a.context, n=a.perturb_samples, seed=a.seed)
+    rows = ["| base | budget | layer | L1 base | L1 critical | critical lower |",
+            "|---|---|---|---|---|---|"]
+    for base, crit in PAIRS:
+        for budget in [int(b) for b in a.perturb_budgets.split(",")]:
+            eb = np.zeros(model.cfg.num_layers)
+            ec = np.zeros(model.cfg.num_layers)
+            for s in samples:
+                ids = model.encode(s.context)
+                w = methods.create(base).window
+                eb += perturbation(model, base, budget, ids, w) / len(samples)
+                ec += perturbation(model, crit, budget, ids, w) / len(samples)
+            for layer in range(len(eb)):
+                rows.append(f"| {base} | {budget} | {layer} | {eb[layer]:.3g} | "
+                            f"{ec[layer]:.3g} | {'yes' if ec[layer] < eb[layer] else 'no'} |")
+    return "\n".join(rows)
+
+
+def label(r):
+    return "full" if r["method"] == "full" else f"{r['method']} @{r['budget']}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-retrieval")
+    p.add_argument("--budgets", default="48,64,128,256")
+    p.add_argument("--tasks", default="niah_multikey,kv_retrieval,variable_tracking")
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--samples", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--perturb-task", default="niah_multikey")
+    p.add_argument("--perturb-budgets", default="48,128")
+    p.add_argument("--perturb-samples", type=int, default=4)
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    cmdline = "python scripts/criticalkv_results.py " + " ".join(sys.argv[1:] if argv is None
+                                                                  else argv)
+    parts = ["# CriticalKV: base methods vs their critical form", "",
+             f"Command: `{cmdline}`. Model {a.model}, context {a.context}, {a.samples} "
+             f"samples per cell, seed {a.seed}. Budget = entries per (layer, KV head), "
+             "window included."]
+    for scenario in a.scenarios.split(","):
+        recs = json.loads(run_scenario(a, scenario, a.out).read_text())["records"]
+        recs = sorted(recs, key=label)
+        parts += ["", f"## Accuracy (%), {scenario.replace('_', '-')}", "",
+                  report.markdown_table(recs, label, lambda r: r["task"],
+                                        lambda r: 100 * r["accuracy"], fmt="{:.0f}",
+                                        row_name="method @ budget", mean_col=True)]
+        for task in sorted({r["task"] for r in recs}):
+            pts = [r for r in recs if r["task"] == task and r["method"] != "full"]
+            png = report.plot_lines(pts, lambda r: r["method"], lambda r: r["budget"],
+                                    lambda r: 100 * r["accuracy"],
+                                    a.out / f"criticalkv_{scenario}_{task}.png",
+                                    "budget (per head)", "accuracy (%)",
+                                    f"{task}, {scenario}, ctx {a.context}", logx=True)
+            if png is not None:
+                parts += ["", f"![{task} {scenario}]({png.name})"]
+    parts += ["", "## Output perturbation per layer", "",
+              f"Sum over the last `window` prompt queries of ||(o - o_hat) W_O||_1, mean over "
+              f"{a.perturb_samples} `{a.perturb_task}` contexts; same budget for both.", "",
+              perturbation_table(a)]
+    text = "\n".join(parts) + "\n"
+    (a.out / "criticalkv.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""kvjax.budgets: PyramidKV's schedule (= kvpress), AdaKV's flattened selection (= a numpy
+transcription of kvpress `AdaKVPress.compress`), and their invariants."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvjax import budgets
+
+
+def _kvpress_pyramid(budget, n, L, window, beta):
+    kvpress = pytest.importorskip("kvpress")
+    press = kvpress.PyramidKVPress(compression_ratio=1 - budget / n, window_size=window,
+                                   beta=beta)
+    out = []
+    for layer in range(L):
+        module = types.SimpleNamespace(layer_idx=layer,
+                                       config=types.SimpleNamespace(num_hidden_layers=L))
+        out.append(press.get_layer_budget(module, n))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(16, 4096), frac=st.floats(0.02, 1.0), L=st.integers(1, 40),
+       window=st.integers(1, 64), beta=st.sampled_from([1, 2, 5, 10, 20]))
+def test_pyramid_equals_kvpress(n, frac, L, window, beta):
+    budget = max(1, int(n * frac))
+    if not (1 - budget / n) < 1 or n * (1 - (1 - budget / n)) != budget:
+        return  # kvpress takes a ratio: only budgets it can express exactly
+    assert list(budgets.pyramid(budget, n, L, window, beta)) == \
+        _kvpress_pyramid(budget, n, L, window, beta)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(64, 8192), budget=st.integers(8, 2048), L=st.integers(2, 40),
+       window=st.integers(1, 32), beta=st.sampled_from([2, 5, 10, 20]))
+def test_pyramid_shape(n, budget, L, window, beta):
+    """Non-increasing over layers, mean = budget up to rounding, >= window in the pyramid
+    regime, uniform in the fallback."""
+    if budget > n:
+        return
+    b = budgets.pyramid(budget, n, L, window, beta)
+    assert np.all(np.diff(b) <= 0)
+    assert abs(b.mean() - budget) <= 0.5 + 1e-9
+    if len(set(b.tolist())) > 1:
+        assert b.min() >= window - 0.5 and b.max() <= n - window + 0.5
+    else:
+        assert b[0] == budget
+
+
+def test_pyramid_table_rows():
+    t = budgets.pyramid_table(40, 200, 6, 2, 20)
+    assert t.shape == (2 * 40 + 2 + 2, 6)
+    for n in (40, 60, 83, 2 * 40 + 2 + 1):
+        assert list(t[n]) == list(budgets.pyramid(40, n, 6, 2, 20))
+    assert list(budgets.pyramid(40, 1000, 6, 2, 20)) == list(t[-1])  # longer: the last row
+    with pytest.raises(ValueError, match="beta"):
+        budgets.pyramid(40, 100, 6, 2, 0.5)
+
+
+def _adakv_np(scores, b, alpha):
+    """kvpress AdaKVPress.compress in numpy on [K, n] scores (window already +large)."""
+    K, n = scores.shape
+    s = scores.astype(np.float64).copy()
+    n_safe = int(b * alpha)
+    if alpha > 0:
+        n_safe = max(1, n_safe) if b > 0 else 0
+    for h in range(K):
+        top = np.argsort(-s[h], kind="stable")[:n_safe]
+        s[h, top] = np.finfo(np.float64).max
+    order = np.argsort(-s.reshape(-1), kind="stable")[: K * b]
+    keep = np.zeros(K * n, bool)
+    keep[order] = True
+    return keep.reshape(K, n)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), K=st.sampled_from([1, 2, 4]), n=st.sampled_from([16, 41]),
+       w=st.integers(1, 6), alpha=st.sampled_from([0.0, 0.2, 0.5, 1.0]), data=st.data())
+def test_flattened_heads(seed, K, n, w, alpha, data):
+    b = data.draw(st.integers(w + 1, n))
+    rng = np.random.default_rng(seed)
+    s = rng.random((1, K, n)).astype(np.float32)
+    s[..., n - w:] = np.inf  # window forced
+    n_safe = int(b * alpha)
+    n_safe = (max(1, n_safe) if alpha > 0 else 0)
+    keep = np.asarray(budgets.flattened_heads(jnp.asarray(s), jnp.array([[b]]),
+                                              jnp.array([n_safe]), b, n_safe))[0]
+    assert keep.sum() == K * b  # the layer's total is exact
+    assert keep[:, n - w:].all()  # window live in every head
+    per_head = keep.sum(-1)
+    assert np.all(per_head >= max(w, n_safe)) and np.all(per_head <= n)
+    for h in range(K):  # the safeguard: each head's own top n_safe
+        assert keep[h, np.argsort(-s[0, h], kind="stable")[:n_safe]].all()
+    ref = _adakv_np(np.where(np.isinf(s[0]), 1e30, s[0]), b, alpha)
+    np.testing.assert_array_equal(keep, ref)
+
+
+def test_flattened_heads_per_element_budgets_under_jit():
+    rng = np.random.default_rng(0)
+    s = jnp.asarray(rng.random((3, 2, 30)).astype(np.float32))
+    b = jnp.array([[5], [10], [12]])
+    safe = jnp.array([1, 2, 2])
+    f = lambda s, b, safe: budgets.flattened_heads(s, b, safe, 12, 2)
+    keep = np.asarray(jax.jit(f)(s, b, safe))
+    np.testing.assert_array_equal(keep, np.asarray(f(s, b, safe)))
+    assert keep.sum((1, 2)).tolist() == [10, 20, 24]
+
+
+def test_adakv_code_counts():
+    """FFY0/AdaKV: counts in a flattened top-K*base, mixed with the floor."""
+    rng = np.random.default_rng(1)
+    s = rng.random((1, 4, 50)).astype(np.float32)
+    base, alpha = 20, 0.2
+    order = np.argsort(-s[0].reshape(-1), kind="stable")[: 4 * base] // 50
+    count = np.bincount(order, minlength=4)
+    ref = np.round(count * (1 - alpha) + int(base * alpha)).astype(int)
+    out = np.asarray(budgets.adakv_code_counts(jnp.asarray(s), jnp.array([base]), alpha))[0]
+    np.testing.assert_array_equal(out, ref)
+    assert abs(out.sum() - 4 * base) <= 4
+
+
+def test_uniform():
+    assert budgets.uniform(64, 3).tolist() == [64, 64, 64]

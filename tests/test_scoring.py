@@ -1,0 +1,148 @@
+"""kvjax.scoring against plain numpy (and torch's pooling) on random inputs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvjax import scoring
+
+RTOL = 1e-5
+
+
+def _softmax_np(s, ok):
+    s = np.where(ok, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.where(ok, np.exp(s - m), 0)
+    z = p.sum(-1, keepdims=True)
+    return p / np.where(z > 0, z, 1)
+
+
+def _inputs(seed, B=2, T=24, H=4, K=2, D=8, pads=(0, 5)):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(B, T, H, D)).astype(np.float32) * 2
+    k = rng.normal(size=(B, K, T, D)).astype(np.float32) * 2
+    v = rng.normal(size=(B, K, T, D)).astype(np.float32)
+    valid = np.ones((B, T), bool)
+    for b, p in enumerate(pads):
+        valid[b, :p] = False
+    pos = np.cumsum(valid, 1) - 1
+    return q, k, v, valid, pos
+
+
+def _probs_np(q, k, valid, pos):
+    """Full causal softmax [B, K, G, T, T] over live keys, at 1/sqrt(d)."""
+    B, T, H, D = q.shape
+    K = k.shape[1]
+    qg = q.reshape(B, T, K, H // K, D)
+    s = np.einsum("btkgd,bksd->bkgts", qg, k) / np.sqrt(D)
+    ok = valid[:, None, None, None, :] & (pos[:, None, None, None, :] <= pos[:, None, None, :, None])
+    return _softmax_np(s, ok)
+
+
+@pytest.mark.parametrize("kernel", [1, 3, 5, 7])
+@pytest.mark.parametrize("kind", ["avg", "max"])
+def test_pool1d_matches_torch(kernel, kind):
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(kernel).random((3, 4, 19)).astype(np.float32)
+    f = torch.nn.functional.avg_pool1d if kind == "avg" else torch.nn.functional.max_pool1d
+    ref = f(torch.tensor(x).reshape(12, 1, 19), kernel_size=kernel, padding=kernel // 2,
+            stride=1).reshape(3, 4, 19).numpy()
+    np.testing.assert_allclose(np.asarray(scoring.pool1d(jnp.asarray(x), kernel, kind)), ref,
+                               rtol=RTOL, atol=1e-7)
+
+
+def test_pool1d_rejects_even_kernel_and_unknown_kind():
+    with pytest.raises(ValueError, match="odd"):
+        scoring.pool1d(jnp.ones((2, 8)), 4, "avg")
+    with pytest.raises(ValueError, match="allowed"):
+        scoring.pool1d(jnp.ones((2, 8)), 3, "median")
+
+
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+def test_window_attention(reduce):
+    q, k, v, valid, pos = _inputs(0)
+    w = 6
+    p = _probs_np(q, k, valid, pos)[..., -w:, : -w]  # window rows, prefix columns
+    ref = p.mean(3) if reduce == "mean" else p.sum(3)
+    out = scoring.window_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(valid), w, reduce)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=RTOL, atol=1e-7)
+    assert np.all(np.asarray(out)[1, :, :, :5] == 0)  # padding columns get no attention
+
+
+def test_window_scores_padding_equals_unpadded():
+    """Left padding changes nothing: the padded element's scores equal its unpadded ones
+    (avg pooling's zero padding is what the padding columns hold)."""
+    q, k, v, valid, pos = _inputs(1, pads=(0, 7))
+    for kind in ("avg", "max"):
+        s = scoring.snap_scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray(valid), 4, 5, kind)
+        s1 = scoring.snap_scores(jnp.asarray(q[1:, 7:]), jnp.asarray(k[1:, :, 7:]),
+                                 jnp.ones((1, 17), bool), 4, 5, kind)
+        np.testing.assert_allclose(np.asarray(s)[1, :, 7:], np.asarray(s1)[0], rtol=RTOL,
+                                   atol=1e-7)
+
+
+@pytest.mark.parametrize("how", ["mean", "max", "sum"])
+def test_gqa_reduce(how):
+    x = np.random.default_rng(2).random((2, 3, 4, 5)).astype(np.float32)
+    ref = getattr(np, how)(x, axis=2)
+    np.testing.assert_allclose(np.asarray(scoring.gqa_reduce(jnp.asarray(x), how)), ref, rtol=RTOL)
+    with pytest.raises(ValueError, match="allowed"):
+        scoring.gqa_reduce(jnp.asarray(x), "median")
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 10_000), block=st.sampled_from([1, 5, 8, 24, 64]))
+def test_cumulative_attention_blocks(seed, block):
+    """Column sums over every valid query, whatever the query block (5 does not divide 24)."""
+    q, k, v, valid, pos = _inputs(seed)
+    ref = _probs_np(q, k, valid, pos)
+    ref = np.where(valid[:, None, None, :, None], ref, 0).sum(3)
+    K = k.shape[1]
+    kpos = np.broadcast_to(pos[:, None], (2, K, 24))
+    kval = np.broadcast_to(valid[:, None], (2, K, 24))
+    out = scoring.cumulative_attention(*map(jnp.asarray, (q, k, pos, valid, kpos, kval)),
+                                       block=block)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_observed_attention_divides_by_queries_seen():
+    q, k, v, valid, pos = _inputs(3)
+    acc = _probs_np(q, k, valid, pos)
+    acc = np.where(valid[:, None, None, :, None], acc, 0).sum(3)
+    n = valid.sum(1)
+    ref = acc / np.maximum(n[:, None] - pos, 1)[:, None, None, :]
+    out = scoring.observed_attention(*map(jnp.asarray, (q, k, pos, valid)), block=7)
+    ok = valid[:, None, None, :]
+    np.testing.assert_allclose(np.asarray(out)[np.broadcast_to(ok, ref.shape)],
+                               ref[np.broadcast_to(ok, ref.shape)], rtol=1e-5, atol=1e-7)
+
+
+def test_last_token_attention():
+    q, k, v, valid, pos = _inputs(4)
+    ref = _probs_np(q, k, valid, pos)[..., -1, :]
+    out = scoring.last_token_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(valid))
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=RTOL, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(out).sum(-1), 1.0, rtol=1e-5)
+
+
+def test_value_norms():
+    q, k, v, valid, pos = _inputs(5)
+    np.testing.assert_allclose(np.asarray(scoring.value_norms(jnp.asarray(v))),
+                               np.abs(v).sum(-1), rtol=RTOL)
+    np.testing.assert_allclose(np.asarray(scoring.value_norms(jnp.asarray(v), 2)),
+                               np.linalg.norm(v, axis=-1), rtol=RTOL)
+    m = np.asarray(scoring.max_value_norm(jnp.asarray(v), jnp.asarray(valid)))
+    np.testing.assert_allclose(m[1], np.abs(v[1, :, 5:]).sum(-1).max(-1), rtol=RTOL)
+
+
+def test_scores_under_jit_equal_eager():
+    q, k, v, valid, pos = map(jnp.asarray, _inputs(6))
+    f = lambda q, k, valid: scoring.snap_scores(q, k, valid, 4, 7, "max", "mean")
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(q, k, valid)), np.asarray(f(q, k, valid)),
+                               rtol=1e-6, atol=1e-8)
