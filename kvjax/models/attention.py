@@ -33,9 +33,12 @@ def logits(
     """Scaled q.k in float32, query heads grouped by the KV head they share."""
     B, T, H, D = q_BTHD.shape
     K = k_BKSD.shape[1]
-    q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
-    s = jnp.einsum("btkgd,bksd->bkgts", q_BTKGD, k_BKSD, preferred_element_type=jnp.float32)
-    return s * (D**-0.5)
+    G = H // K
+    # one [G*T, D] x [D, S] matmul per (b, k): XLA:CPU runs this layout ~4x faster than a
+    # dot_general with (g, t) as separate free dimensions
+    q_BKMD = q_BTHD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, D)
+    s = jnp.einsum("bkmd,bksd->bkms", q_BKMD, k_BKSD, preferred_element_type=jnp.float32)
+    return s.reshape(B, K, G, T, -1) * (D**-0.5)
 
 
 def softmax(s_BKGTS: Float[Array, "B K G T S"], ok_BKTS: Bool[Array, "B K T S"]):
@@ -65,8 +68,10 @@ def attend(
             o = pallas.decode_attention(q_BTHD[:, 0], k_BKSD, v_BKSD, ok_BKTS[:, :, 0])
             return o[:, None]
     p = softmax(logits(q_BTHD, k_BKSD), ok_BKTS)
-    o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v_BKSD.dtype), v_BKSD,
-                   preferred_element_type=jnp.float32)
+    K = k_BKSD.shape[1]
+    p_BKMS = p.reshape(B, K, H // K * T, -1).astype(v_BKSD.dtype)  # same layout as logits
+    o = jnp.einsum("bkms,bksd->bkmd", p_BKMS, v_BKSD, preferred_element_type=jnp.float32)
+    o = o.reshape(B, K, H // K, T, D).transpose(0, 3, 1, 2, 4)
     o = o.reshape(B, T, H, D).astype(q_BTHD.dtype)
     return (o, p) if return_probs else o
 
