@@ -186,6 +186,7 @@ def train(config_path: str | Path, workdir: str | Path, export: str | Path | Non
     cfg, tc, raw = load_configs(config_path)
     stop = tc.steps if steps is None else min(steps, tc.steps)
     workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
     opt = optimizer(tc)
     mngr = ocp.CheckpointManager(workdir / "ckpt", options=ocp.CheckpointManagerOptions(
         max_to_keep=2, save_interval_steps=1))
@@ -217,13 +218,12 @@ def train(config_path: str | Path, workdir: str | Path, export: str | Path | Non
                    **{k: float(v) for k, v in aux.items()}, "elapsed_s": time.perf_counter() - t0}
             log.append(rec)
             print(json.dumps(rec), flush=True)
+            with open(workdir / "train_log.jsonl", "a") as f:  # as it goes: a run may be cut off
+                f.write(json.dumps(rec) + "\n")
         if done % tc.checkpoint_every == 0 or done == stop:
             mngr.save(done, args=ocp.args.Composite(
                 state=ocp.args.StandardSave({"params": params, "opt_state": opt_state})))
     mngr.wait_until_finished()
-    with open(workdir / "train_log.jsonl", "a") as f:
-        for rec in log:
-            f.write(json.dumps(rec) + "\n")
     if export and (stop == tc.steps or export_early):
         export_model(export, cfg, params, {**raw, "trained_steps": stop})
     return {"params": params, "opt_state": opt_state, "step": stop, "log": log}
