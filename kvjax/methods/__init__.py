@@ -80,3 +80,4 @@ __all__ = ["Method", "Full", "register", "names", "get", "create", "config", "AS
            "ASL2Pass", "ASLFullBefore", "FastKV", "GemFilter", "SnapKV", "PyramidKV",
            "AdaSnapKV", "AdaPyramidKV", "StreamingLLM", "TOVA", "H2O", "ObservedAttention",
            "SlimInfer", "LazyLLM"]
+from kvjax.methods import headkv  # noqa: E402,F401

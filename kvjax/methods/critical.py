@@ -10,7 +10,11 @@ The layer's W_O reaches the hook through `LayerIO.wo` (set by `transformer.prefi
 Registered: `critical_snapkv` (kvpress `CriticalKVPress(SnapKVPress)`),
 `critical_pyramidkv` (PyramidKV's per-layer b), `critical_adakv` (kvpress
 `CriticalAdaKVPress`: AdaKV's flattened head budgets with its 0.2 safeguard decide b_h,
-the safeguard entries join stage 1, then the two stages per head). Defaults
+the safeguard entries join stage 1, then the two stages per head), `critical_headkv`
+(HeadKV's static b_h from offline head scores; the paper's third integration, Sec. 5),
+`critical_lava` (LAVa's per-head counts after its head and layer allocation, i.e. the
+live entries of each head of its final masks, then the two stages per head on LAVa's own
+Eq. 5 score; not in the paper, METHODS.md section 4 asks for it). Defaults
 first_stage_ratio 0.5, epsilon 1e-4 (paper and kvpress).
 
 One deliberate difference from kvpress: kvjax forces the window (+inf), kvpress scores it
@@ -30,6 +34,8 @@ from kvjax.config import ModelConfig
 from kvjax.methods import register
 from kvjax.methods.adakv import AdaKVBase, n_safe
 from kvjax.methods.eviction import real_length
+from kvjax.methods.headkv import HeadKV
+from kvjax.methods.lava import LAVa
 from kvjax.methods.pyramidkv import PyramidKV
 from kvjax.methods.snapkv import SnapKV
 from kvjax.models.transformer import LayerIO
@@ -110,3 +116,46 @@ class CriticalAdaKV(CriticalRule, AdaKVBase):
         extra = critical.top_mask(s_BKT, jnp.broadcast_to(safe[:, None], (B, K)), max_safe) \
             if max_safe > 0 else None
         return hb, extra
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class CriticalHeadKV(CriticalRule, HeadKV):
+    """CriticalKV on HeadKV: HeadKV's static per-head budgets b_h (head scores, beta 1.005),
+    two stages per head (ratio 0.5, eps 1e-4)."""
+
+    name: ClassVar[str] = "critical_headkv"
+    head_budgets = HeadKV.head_budgets  # HeadKV's b_h, not CriticalRule's uniform one
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class CriticalLAVa(CriticalRule, LAVa):
+    """CriticalKV on LAVa: LAVa decides how many entries each (layer, head) keeps (Eq. 5-7,
+    cascading), the two stages decide which, with LAVa's Eq. 5 score as the attention score.
+
+    While cascading, the intermediate masks (and so the peak live count) are LAVa's own;
+    only the final choice inside each head changes, at the same counts.
+    """
+
+    name: ClassVar[str] = "critical_lava"
+
+    def init_state(self, cfg: ModelConfig, batch: int, n: int):
+        st = super().init_state(cfg, batch, n)
+        return {**st, "norm": jnp.zeros_like(st["scores"])}  # [L, B, K, P]
+
+    def after_layer_prefill(self, io: LayerIO, st):
+        out, st = super().after_layer_prefill(io, st)
+        P = st["norm"].shape[-1]
+        return out, {**st, "norm": st["norm"].at[io.layer].set(self.projected_norms(io)[..., :P])}
+
+    def final_keep(self, st, valid_LBKT):
+        L, B, K, T = valid_LBKT.shape
+        b = jnp.sum(super().final_keep(st, valid_LBKT), axis=-1, dtype=jnp.int32)  # LAVa's b_h
+        window = jnp.full((L, B, K, self.window), jnp.inf)
+        s = jnp.where(valid_LBKT, jnp.concatenate([st["scores"], window], axis=-1), -jnp.inf)
+        norm = jnp.pad(st["norm"], [(0, 0)] * 3 + [(0, self.window)])
+        r = lambda x: x.reshape((L * B,) + x.shape[2:])
+        s2 = critical.two_stage_scores(r(s), r(norm), r(b), T, self.first_stage_ratio,
+                                       self.epsilon)
+        return critical.top_mask(s2, r(b), T).reshape(L, B, K, T)

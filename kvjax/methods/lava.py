@@ -174,8 +174,7 @@ class Cascading(PrefillEviction):
             st["budget"] = b
             st["keep"] = self._masks(st, b)
             st["peak"] = L * K * n_real
-        keep = jnp.concatenate(
-            [st["keep"], jnp.ones((L, B, K, self.window), bool)], axis=-1) & valid
+        keep = self.final_keep(st, valid)
         S = self.slots(T, L, K)
         idx, live = select.slots_from_mask(keep.reshape(L * B, K, T), S)
         r = lambda x: x.reshape((L * B,) + x.shape[2:])
@@ -193,6 +192,13 @@ class Cascading(PrefillEviction):
             "budgets_shrank": jnp.broadcast_to(st["shrank"], (B,)),
         }
         return out, None, stats
+
+    def final_keep(self, st, valid_LBKT):
+        """[L, B, K, T] the final keep masks: the budgets' prefix masks plus the window.
+        A hook for rules that keep these per-head counts but choose others (critical_lava)."""
+        L, B, K, _ = st["keep"].shape
+        window = jnp.ones((L, B, K, self.window), bool)
+        return jnp.concatenate([st["keep"], window], axis=-1) & valid_LBKT
 
 
 def entropy(s_BKP, valid_BP, norm: str):

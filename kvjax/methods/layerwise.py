@@ -24,27 +24,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax import pallas
+from kvjax import pallas, scoring
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Method
 from kvjax.models import attention, transformer
-
-
-def pool1d(x: Float[Array, "... n"], kernel: int, kind: str) -> Float[Array, "... n"]:
-    """Stride-1 pooling with `kernel // 2` padding: avg counts the zero padding (torch's
-    avg_pool1d default), max pads with -inf."""
-    if kernel == 1:
-        return x
-    pad = kernel // 2
-    if kind == "avg":
-        xp = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(pad, pad)])
-        c = jnp.cumsum(xp, axis=-1)
-        c = jnp.pad(c, [(0, 0)] * (x.ndim - 1) + [(1, 0)])
-        n = x.shape[-1]
-        return (c[..., kernel: kernel + n] - c[..., :n]) / kernel
-    xp = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(pad, pad)], constant_values=-jnp.inf)
-    return jax.lax.reduce_window(xp, -jnp.inf, jax.lax.max, (1,) * (x.ndim - 1) + (kernel,),
-                                 (1,) * x.ndim, "VALID")
 
 
 def window_scores(
@@ -62,19 +45,13 @@ def window_scores(
     softmax=True: softmax over every key a window query sees (prefix and, causally, the
     window), fp32, at 1/sqrt(d). softmax=False: raw q.k (GemFilter).
     """
-    B, T, H, D = q_BTHD.shape
-    K = k_BKTD.shape[1]
-    qw = q_BTHD[:, T - window:]
-    s = attention.logits(qw, k_BKTD) if softmax else jnp.einsum(
-        "btkgd,bksd->bkgts", qw.reshape(B, window, K, H // K, D), k_BKTD,
-        preferred_element_type=jnp.float32)
+    T, D = q_BTHD.shape[1], q_BTHD.shape[-1]
     if softmax:
-        qpos = jnp.arange(T - window, T)
-        ok = (jnp.arange(T)[None, :] <= qpos[:, None])[None, None] & valid_BT[:, None, None, :]
-        s = attention.softmax(s, jnp.broadcast_to(ok, (B, K, window, T)))
-    else:
-        s = jnp.where(valid_BT[:, None, None, None, :], s, 0.0)
-    return pool1d(jnp.sum(s[..., : T - window], axis=3), kernel, pooling)
+        s = scoring.window_attention(q_BTHD, k_BKTD, valid_BT, window, "sum")
+    else:  # raw q.k: undo the logits' 1/sqrt(d)
+        s = attention.logits(q_BTHD[:, T - window:], k_BKTD)[..., : T - window] * D**0.5
+        s = jnp.sum(jnp.where(valid_BT[:, None, None, None, : T - window], s, 0.0), axis=3)
+    return scoring.pool1d(s, kernel, pooling)
 
 
 def descending_ranks(s_P: Float[Array, "P"]) -> Float[Array, "P"]:
