@@ -51,8 +51,17 @@ def gather(
     idx_BKS: Int[Array, "B K S"],
     live_BKS: Bool[Array, "B K S"],
 ):
-    """(k, v, pos, valid) of one layer gathered into S slots; `valid` = live & was valid."""
+    """(k, v, pos, valid) of one layer gathered into S slots; `valid` = live & was valid.
+
+    `live` is a prefix of the slots (as `slots_from_scores` and `slots_from_mask` give it),
+    so the gather is the `compact` kernel op where one is active."""
     t = lambda x: jnp.take_along_axis(x, idx_BKS[..., None] if x.ndim == 4 else idx_BKS, axis=2)
+    from kvjax import pallas  # the ops import the cache, which imports nothing of this
+
+    if pallas.kernels_active():
+        count = jnp.sum(live_BKS, axis=-1, dtype=jnp.int32)
+        k, v, pos, live = pallas.compact(k_BKnD, v_BKnD, pos_BKn, idx_BKS, count)
+        return k, v, pos, live & t(valid_BKn)
     return t(k_BKnD), t(v_BKnD), t(pos_BKn), t(valid_BKn) & live_BKS
 
 

@@ -456,16 +456,30 @@ def kept_sets(method, kind, cfg, params, tokens, valid):
     return np.asarray(kv[2]), np.asarray(kv[3])
 
 
-@pytest.mark.parametrize("name, overrides", [
+KEPT_CASES = [
     ("snapkv", dict(budget=48, window=8)),
+    ("ada_snapkv", dict(budget=48, window=8)),  # compact with per-head counts
     ("asl", dict(select_k=48, window=8, layer_of_32=16, budget=48)),
     ("critical_snapkv", dict(budget=48, window=8)),
-])
-def test_methods_keep_the_same_entries(name, overrides):
-    """SnapKV (window scores), ASL (layer-wise window scores) and CriticalKV (window scores
-    and projected value norms) on a random 2-layer model: the interpreted Pallas kernels
-    (`--kernels pallas` on CPU) keep exactly the entries the xla references keep."""
+]
+
+
+def assert_same_kept(name, overrides, cfg, params, tokens, valid):
     from kvjax import methods
+
+    method = methods.create(name, **overrides)
+    pos_x, val_x = kept_sets(method, "xla", cfg, params, tokens, valid)
+    pos_p, val_p = kept_sets(method, "pallas", cfg, params, tokens, valid)
+    np.testing.assert_array_equal(val_p, val_x)
+    np.testing.assert_array_equal(np.where(val_p, pos_p, -1), np.where(val_x, pos_x, -1))
+
+
+@pytest.mark.parametrize("name, overrides", KEPT_CASES)
+def test_methods_keep_the_same_entries(name, overrides):
+    """SnapKV and AdaKV (window scores, compaction), ASL (layer-wise window scores) and
+    CriticalKV (window scores and projected value norms) on a random 2-layer model: the
+    interpreted Pallas kernels (`--kernels pallas` on CPU) keep exactly the entries the
+    xla references keep."""
     from kvjax.config import ModelConfig
     from kvjax.train import init_params
 
@@ -475,8 +489,17 @@ def test_methods_keep_the_same_entries(name, overrides):
     params = init_params(cfg, jax.random.PRNGKey(0), std=0.3)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 150), 3, cfg.vocab_size)
     valid = jnp.ones((2, 150), bool).at[1, :20].set(False)  # element 1 left-padded
-    method = methods.create(name, **overrides)
-    pos_x, val_x = kept_sets(method, "xla", cfg, params, tokens, valid)
-    pos_p, val_p = kept_sets(method, "pallas", cfg, params, tokens, valid)
-    np.testing.assert_array_equal(val_p, val_x)
-    np.testing.assert_array_equal(np.where(val_p, pos_p, -1), np.where(val_x, pos_x, -1))
+    assert_same_kept(name, overrides, cfg, params, tokens, valid)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, overrides", KEPT_CASES)
+def test_methods_keep_the_same_entries_on_the_bundled_model(name, overrides):
+    """The same on the bundled model and a real task prompt (interpreted kernels: slow)."""
+    import kvjax
+
+    model = kvjax.load("tiny-retrieval")
+    s = kvjax.tasks.generate("niah_multikey", context_length=256, n=1, seed=0)[0]
+    tokens = jnp.asarray([model.encode(s.prompt)])
+    valid = jnp.ones(tokens.shape, bool)
+    assert_same_kept(name, overrides, model.cfg, model.params, tokens, valid)

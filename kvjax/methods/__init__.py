@@ -81,3 +81,5 @@ __all__ = ["Method", "Full", "register", "names", "get", "create", "config", "AS
            "AdaSnapKV", "AdaPyramidKV", "StreamingLLM", "TOVA", "H2O", "ObservedAttention",
            "SlimInfer", "LazyLLM"]
 from kvjax.methods import headkv  # noqa: E402,F401
+from kvjax.methods.roco import RoCo  # noqa: E402,F401
+from kvjax.methods.cam import CaM  # noqa: E402,F401
