@@ -152,7 +152,7 @@ def make_batch(tc: TrainConfig, step: int) -> dict:
             prompt, target = tasks.training_example(name, context, rng)
         seqs.append((prompt, target))
     T = max(len(p) + len(t) for p, t in seqs) - 1
-    T = -(-T // 64) * 64  # few distinct shapes: few compilations
+    T = -(-T // 32) * 32  # few distinct shapes (few compilations), little padding
     batch = {k: np.zeros((batch_size, T), dt) for k, dt in
              (("inputs", np.int32), ("labels", np.int32), ("valid", bool),
               ("answer_mask", np.float32), ("context_mask", np.float32))}
