@@ -6,8 +6,8 @@ per-layer output perturbation, written to docs/results/criticalkv.md.
         --out /tmp/crit --perturb-budgets 64 --perturb-samples 1   # a taste
 
 Accuracy: one `python -m kvjax.run` per scenario (context-only = the paper's setting,
-and question-aware) over the base methods snapkv, ada_snapkv, pyramidkv and their
-critical forms, 4 budgets (48/2048 = 2.3% ... 256/2048 = 12.5%), context 2048.
+and question-aware) over the base methods snapkv, ada_snapkv, pyramidkv, headkv, lava and
+their critical forms, 4 budgets (48/2048 = 2.3% ... 256/2048 = 12.5%), context 2048.
 Perturbation: for each layer, sum over the last `window` prompt queries of
 ||(o - o_hat) W_O||_1 -- o with the full prompt, o_hat with the kept entries only --
 under the base selection and the critical selection at the same budget (mean over
@@ -34,7 +34,8 @@ from kvjax.api import load  # noqa: E402
 from kvjax.models import transformer  # noqa: E402
 
 PAIRS = (("snapkv", "critical_snapkv"), ("ada_snapkv", "critical_adakv"),
-         ("pyramidkv", "critical_pyramidkv"))
+         ("pyramidkv", "critical_pyramidkv"), ("headkv", "critical_headkv"),
+         ("lava", "critical_lava"))
 SCENARIOS = ("context_only", "question_aware")
 
 
