@@ -6,6 +6,7 @@ arranges them.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Callable, Iterable
@@ -85,3 +86,14 @@ def replace_section(doc: str | Path, marker: str, body: str) -> None:
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     path.write_text(f"{head}{start}\n{body}\n{end}{tail}")
+
+
+def results_parser(doc: str | None, out: Path, samples: int = 50) -> argparse.ArgumentParser:
+    """The arguments every results script shares (model, samples, seed, output folder)."""
+    p = argparse.ArgumentParser(description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-retrieval")
+    p.add_argument("--samples", type=int, default=samples)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=out)
+    return p

@@ -16,7 +16,6 @@ samples of a retrieval task). Every number comes from the JSON records / this ru
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -114,19 +113,14 @@ def label(r):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny-retrieval")
+    p = report.results_parser(__doc__, ROOT / "docs" / "results")
     p.add_argument("--budgets", default="48,64,128,256")
     p.add_argument("--tasks", default="niah_multikey,kv_retrieval,variable_tracking")
     p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--samples", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--perturb-task", default="niah_multikey")
     p.add_argument("--perturb-budgets", default="48,128")
     p.add_argument("--perturb-samples", type=int, default=4)
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     cmdline = "python scripts/criticalkv_results.py " + " ".join(sys.argv[1:] if argv is None

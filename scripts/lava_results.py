@@ -13,7 +13,6 @@ context. Every number comes from a measured record.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -116,17 +115,12 @@ def write_report(records: list[dict], a) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny-retrieval")
+    p = report.results_parser(__doc__, ROOT / "docs" / "results")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--budgets", default="64,128,256,512")
     p.add_argument("--tasks", default=TASKS)
     p.add_argument("--context", default="2048")
-    p.add_argument("--samples", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     paths = [run_scenario(a, s) for s in a.scenarios.split(",")]

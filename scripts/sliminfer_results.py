@@ -26,7 +26,6 @@ saved to `<out>/random-model` (accuracy is then meaningless: for checking the pi
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -173,16 +172,11 @@ def write_report(records: list[dict], a, out: Path, command: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny-retrieval")
+    p = report.results_parser(__doc__, ROOT / "docs" / "results")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--tasks", default=TASKS)
     p.add_argument("--contexts", default="2048,4096")
-    p.add_argument("--samples", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)

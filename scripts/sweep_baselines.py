@@ -20,7 +20,6 @@ from those JSON records.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -100,18 +99,13 @@ def write_report(records: list[dict], a, out: Path) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny-retrieval")
+    p = report.results_parser(__doc__, ROOT / "docs" / "results")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--budgets", default="64,128,256,512")
     p.add_argument("--tasks", default="niah_multikey,kv_retrieval,variable_tracking")
     p.add_argument("--context", default="2048")
-    p.add_argument("--samples", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
