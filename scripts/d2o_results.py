@@ -10,8 +10,9 @@ method (`d2o` without merging is `d2o` with `--set merge=false`), records in
 prefilled for `--prompt` tokens with each method's cache at rho of that prompt, then fed
 token by token (teacher forcing, `engine.extend` under jit, the method's decode hook
 evicting/merging at every step); NLL of every next token. Writes docs/results/d2o.md
-(tables via `kvjax.report`, plots when matplotlib imports). Methods not registered (at the
-time of writing: roco, cam) are listed as missing rather than run.
+(tables via `kvjax.report`, plots when matplotlib imports). Methods not registered are
+listed as missing rather than run (roco and cam are registered since kvjax/methods/roco.py
+and cam.py).
 """
 
 from __future__ import annotations
