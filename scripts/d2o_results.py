@@ -4,7 +4,7 @@
     python scripts/d2o_results.py --samples 2 --ratios 0.5 --ppl-tokens 600 --prompt 256 \
         --out /tmp/d2o                                             # a taste
 
-Accuracy: one `python -m kvjax.run --ratio <rhos> --task <tasks> --context 2048` per
+Accuracy: one `python -m kvjax.run --ratio <1 - rho> --task <tasks> --context 2048` per
 method (`d2o` without merging is `d2o` with `--set merge=false`), records in
 <out>/d2o_acc_<label>.json. Perplexity: the text `kvjax.tasks.haystack.long_text(n)` is
 prefilled for `--prompt` tokens with each method's cache at rho of that prompt, then fed
@@ -17,7 +17,6 @@ and cam.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -55,7 +54,8 @@ def accuracy(a, out: Path) -> list[dict]:
                    "--task", a.tasks, "--context", str(a.context), "--samples", str(a.samples),
                    "--output", str(path), "--no-progress"]
             if name != "full":
-                cmd += ["--ratio", ",".join(map(str, a.ratios))]
+                # rho is the kept fraction (the paper's); `--ratio` is kvpress's removed one
+                cmd += ["--ratio", ",".join(str(round(1 - r, 6)) for r in a.ratios)]
             for k, v in sets.items():
                 cmd += ["--set", f"{k}={v}"]
             print(" ".join(cmd[2:]), file=sys.stderr)
@@ -63,6 +63,12 @@ def accuracy(a, out: Path) -> list[dict]:
         for r in report.load_records(path):
             recs.append({**r, "label": label})
     return recs
+
+
+def kept(record: dict) -> float:
+    """rho of a `kvjax.run` record: 1 - its compression ratio (1 for the full cache)."""
+    r = record.get("ratio")
+    return 1.0 if r is None else round(1 - r, 6)
 
 
 def perplexity(model, method, ids: list[int], prompt: int) -> float:
@@ -84,16 +90,13 @@ def perplexity(model, method, ids: list[int], prompt: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="tiny-retrieval")
+    p = report.results_parser(__doc__, ROOT / "docs" / "results")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ratios", default="0.2,0.3,0.5")
     p.add_argument("--tasks", default="niah_multikey,kv_retrieval,variable_tracking")
     p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--samples", type=int, default=50)
     p.add_argument("--ppl-tokens", type=int, default=4608)
     p.add_argument("--prompt", type=int, default=512)
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     a = p.parse_args()
     a.methods = a.methods.split(",")
     a.ratios = [float(r) for r in a.ratios.split(",")]
@@ -126,7 +129,7 @@ def main() -> None:
     if acc:
         parts += ["## Accuracy (context %d)" % a.context, "",
                   report.markdown_table(acc, lambda r: r["label"],
-                                        lambda r: f"{r['task']} rho={r.get('ratio') or 1.0}",
+                                        lambda r: f"{r['task']} rho={kept(r)}",
                                         lambda r: r["accuracy"], row_name="method"), ""]
     parts += [f"## Teacher-forced perplexity ({a.ppl_tokens} tokens, prompt {a.prompt})", "",
               report.markdown_table(ppl, lambda r: r["label"], lambda r: f"rho={r['rho']}",
