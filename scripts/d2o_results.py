@@ -52,7 +52,7 @@ def accuracy(a, out: Path) -> list[dict]:
         if not path.exists():
             cmd = [sys.executable, "-m", "kvjax.run", "--model", a.model, "--method", name,
                    "--task", a.tasks, "--context", str(a.context), "--samples", str(a.samples),
-                   "--output", str(path), "--no-progress"]
+                   "--seed", str(a.seed), "--output", str(path), "--no-progress"]
             if name != "full":
                 # rho is the kept fraction (the paper's); `--ratio` is kvpress's removed one
                 cmd += ["--ratio", ",".join(str(round(1 - r, 6)) for r in a.ratios)]
