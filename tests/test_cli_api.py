@@ -93,7 +93,7 @@ def test_cli_bad_input(model_dir):
     r = _run("--model", str(model_dir), "--method", "nope", "--context", "128")
     assert r.returncode != 0 and "unknown method 'nope'" in r.stderr
     r = _run("--ratio", "1.5")
-    assert r.returncode != 0 and "(0, 1]" in r.stderr
+    assert r.returncode != 0 and "must be in [0, 1)" in r.stderr
     r = _run("--model", str(model_dir), "--task", "nope")
     assert r.returncode != 0 and "nope" in r.stderr
     with pytest.raises(ValueError, match="context_length"):
