@@ -116,17 +116,24 @@ def copy_span(context_length: int) -> int:
     return min(max(context_length // 4, 8), 64)
 
 
-def copy_example(context_length: int, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+def copy_example(context_length: int, rng: np.random.Generator, random_tokens: bool = False
+                 ) -> tuple[list[int], list[int]]:
     """A training-only task that makes induction heads form early: a haystack, then one of
     its tokens again; the target is the `copy_span` tokens that followed it. Retrieval on
     every task is this circuit (find the cue earlier, copy what came after), and every
     target token here is one step of it, so the signal is dense where the tasks' answers
     are a few tokens per sequence."""
     from kvjax.tasks import haystack
-    from kvjax.tasks.tokenizer import BOS_ID, EOS_ID, token_ids
+    from kvjax.tasks import vocab
+    from kvjax.tasks.tokenizer import BOS_ID, EOS_ID, token_ids, vocabulary
 
     span = copy_span(context_length)
-    ids = token_ids(haystack.tokens(rng, context_length - span - 1))
+    n = context_length - span - 1
+    if random_tokens:  # `copy_random`: uniform over the words, only the repeat is predictable
+        first = len(vocab.SPECIAL_TOKENS) + len(vocab.DIGITS) + len(vocab.PUNCTUATION)
+        ids = rng.integers(first, len(vocabulary()), n).tolist()
+    else:
+        ids = token_ids(haystack.tokens(rng, n))
     counts = np.bincount(ids)
     # a cue that occurs once, so that what follows it is unambiguous
     last = len(ids) - span  # the copied tokens lie inside the haystack
@@ -146,8 +153,8 @@ def make_batch(tc: TrainConfig, step: int) -> dict:
     seqs = []
     for _ in range(batch_size):
         name = names[rng.choice(len(names), p=w / w.sum())]
-        if name == "copy":
-            prompt, target = copy_example(context, rng)
+        if name in ("copy", "copy_random"):
+            prompt, target = copy_example(context, rng, random_tokens=name == "copy_random")
         else:
             prompt, target = tasks.training_example(name, context, rng)
         seqs.append((prompt, target))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import numpy as np
 import pytest
@@ -68,8 +70,8 @@ def test_export_loads(config_path, tmp_path):
 
 
 def test_copy_example_targets_follow_a_unique_cue():
-    for seed in range(5):
-        prompt, target = train.copy_example(128, np.random.default_rng(seed))
+    for seed, random_tokens in itertools.product(range(5), (False, True)):
+        prompt, target = train.copy_example(128, np.random.default_rng(seed), random_tokens)
         span = train.copy_span(128)
         # prompt + target fill the context exactly: copy examples pad no batch
         assert len(prompt) + len(target) == 129 and len(target) == span and target[-1] == 2
