@@ -15,6 +15,8 @@ Every function is pure `jnp`, padding-aware and shape-annotated. Conventions:
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
@@ -126,7 +128,9 @@ def last_token_attention(
     return attention.softmax(s, ok)[..., 0, :]
 
 
-def cumulative_attention(
+def fold_query_blocks(
+    step: Callable,
+    init: Any,
     q_BTHD: Float[Array, "B T H D"],
     k_BKSD: Float[Array, "B K S D"],
     qpos_BT: Int[Array, "B T"],
@@ -134,14 +138,11 @@ def cumulative_attention(
     kpos_BKS: Int[Array, "B K S"],
     kvalid_BKS: Bool[Array, "B K S"],
     block: int = 256,
-) -> Float[Array, "B K G S"]:
-    """H2O's accumulated attention: column sums of the causal softmax over every valid query.
-
-    Queries run in blocks of `block` (a `lax.scan`), so at most [B, H, block, S] exists at
-    a time. Padding queries contribute nothing.
-    """
+) -> Any:
+    """`carry = step(carry, probs [B, K, G, b, S], ok [B, K, b, S], qvalid [B, b])` over
+    blocks of `block` queries of the causal softmax (a `lax.scan`), so that at most
+    [B, H, block, S] exists at a time; the last block is padded with invalid queries."""
     B, T, H, D = q_BTHD.shape
-    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
     block = min(block, T)
     nb = -(-T // block)
     pad = nb * block - T
@@ -153,15 +154,33 @@ def cumulative_attention(
     pb = qpos_BT.reshape(B, nb, block).swapaxes(0, 1)
     vb = qvalid_BT.reshape(B, nb, block).swapaxes(0, 1)
 
-    def one(acc, xs):
+    def one(carry, xs):
         q, p, v = xs
-        probs = attention.softmax(attention.logits(q, k_BKSD),
-                                  attention.mask(p, kpos_BKS, kvalid_BKS))  # [B,K,G,b,S]
-        return acc + jnp.sum(jnp.where(v[:, None, None, :, None], probs, 0.0), axis=3), None
+        ok = attention.mask(p, kpos_BKS, kvalid_BKS)
+        return step(carry, attention.softmax(attention.logits(q, k_BKSD), ok), ok, v), None
 
-    acc0 = jnp.zeros((B, K, H // K, S), jnp.float32)
-    acc, _ = jax.lax.scan(one, acc0, (qb, pb, vb))
-    return acc
+    return jax.lax.scan(one, init, (qb, pb, vb))[0]
+
+
+def cumulative_attention(
+    q_BTHD: Float[Array, "B T H D"],
+    k_BKSD: Float[Array, "B K S D"],
+    qpos_BT: Int[Array, "B T"],
+    qvalid_BT: Bool[Array, "B T"],
+    kpos_BKS: Int[Array, "B K S"],
+    kvalid_BKS: Bool[Array, "B K S"],
+    block: int = 256,
+) -> Float[Array, "B K G S"]:
+    """H2O's accumulated attention: column sums of the causal softmax over every valid query
+    (blockwise over queries, `fold_query_blocks`). Padding queries contribute nothing."""
+    B, T, H, D = q_BTHD.shape
+    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+
+    def step(acc, probs, ok, v):
+        return acc + jnp.sum(jnp.where(v[:, None, None, :, None], probs, 0.0), axis=3)
+
+    return fold_query_blocks(step, jnp.zeros((B, K, H // K, S), jnp.float32), q_BTHD, k_BKSD,
+                             qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, block)
 
 
 def observed_attention(

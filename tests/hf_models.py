@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
@@ -57,3 +58,15 @@ def build(name: str, seed: int = 0, scale: float = 0.15, layers: int | None = No
             else:
                 p.copy_(scale * torch.randn_like(p) * (64 / p.shape[-1]) ** 0.5)
     return model
+
+
+def build_pair(name: str, seed: int = 0, scale: float = 0.15, layers: int | None = None):
+    """(HF model, kvjax config, kvjax params) of the same random weights, via a save/load
+    round trip of the HF checkpoint format."""
+    from kvjax.models.checkpoint import load_hf
+
+    model = build(name, seed, scale, layers)
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        cfg, params = load_hf(d)
+    return model, cfg, params

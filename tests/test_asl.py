@@ -8,9 +8,7 @@ would then show a different kept set rather than a small numeric drift).
 
 from __future__ import annotations
 
-import tempfile
 
-import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,7 +16,6 @@ from hypothesis import strategies as st
 from jax import monitoring
 
 from kvjax import engine, methods
-from kvjax.models.checkpoint import load_hf
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")
@@ -29,11 +26,7 @@ L = 12
 
 @pytest.fixture(scope="module")
 def pair():
-    model = hf_models.build("llama_llama3rope_gqa4", seed=1, scale=0.3, layers=L)
-    with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)
-        cfg, params = load_hf(d)
-    return model, cfg, params
+    return hf_models.build_pair("llama_llama3rope_gqa4", seed=1, scale=0.3, layers=L)
 
 
 def reference_asl(attn, select_k, window, kernel, tau, l_min, l_obs, group):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,6 @@ from hypothesis import strategies as st
 
 from kvjax import engine, methods
 from kvjax.methods.d2o import merge
-from kvjax.models.checkpoint import load_hf
 from kvjax.models.transformer import LayerIO
 
 torch = pytest.importorskip("torch")
@@ -48,11 +46,7 @@ DIFFS: list[float] = []
 
 @pytest.fixture(scope="module")
 def pair():
-    model = hf_models.build("llama_llama3rope_gqa4", seed=1, scale=0.3, layers=L)
-    with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)
-        cfg, params = load_hf(d)
-    return model, cfg, params
+    return hf_models.build_pair("llama_llama3rope_gqa4", seed=1, scale=0.3, layers=L)
 
 
 def _cos(a, b):

@@ -4,7 +4,6 @@ vs non-cascading, invariants, errors, end-to-end."""
 from __future__ import annotations
 
 import functools
-import tempfile
 
 import jax
 
@@ -15,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvjax import engine, methods
-from kvjax.models.checkpoint import load_hf
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")
@@ -26,11 +24,7 @@ L, N, W = 4, 96, 8
 
 @pytest.fixture(scope="module")
 def pair():
-    model = hf_models.build("llama_llama3rope_gqa4", seed=3, scale=0.3, layers=L)
-    with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)
-        cfg, params = load_hf(d)
-    return model, cfg, params
+    return hf_models.build_pair("llama_llama3rope_gqa4", seed=3, scale=0.3, layers=L)
 
 
 def hf_states(model, ids):

@@ -23,7 +23,6 @@ by fp32 rounding; a decoded token's key at layer l went through l layers of both
 from __future__ import annotations
 
 import json
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +33,6 @@ from hypothesis import strategies as st
 
 from kvjax import engine, methods
 from kvjax.methods.cam import cam_merge
-from kvjax.models.checkpoint import load_hf
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")
@@ -51,11 +49,7 @@ CONFIGS = {"roco": dict(budget=24, sinks=4, recent=4, recent_ratio=0.5),
 
 @pytest.fixture(scope="module")
 def pair():
-    model = hf_models.build("llama_llama3rope_gqa4", seed=1, scale=0.3, layers=L)
-    with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)
-        cfg, params = load_hf(d)
-    return model, cfg, params
+    return hf_models.build_pair("llama_llama3rope_gqa4", seed=1, scale=0.3, layers=L)
 
 
 def _prefill(m, params, cfg, ids):

@@ -19,7 +19,6 @@ same tolerance), after which the two runs may legitimately follow different sets
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 
 import jax
 import numpy as np
@@ -31,7 +30,6 @@ from jax import monitoring
 from kvjax import engine, methods, offload
 from kvjax.methods.slim import core
 from kvjax.methods.slim import decode as slim_decode
-from kvjax.models.checkpoint import load_hf
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")
@@ -52,11 +50,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def pair():
-    model = hf_models.build("llama_llama3rope_gqa4", seed=1, scale=0.3, layers=L)
-    with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)
-        cfg, params = load_hf(d)
-    return model, cfg, params
+    return hf_models.build_pair("llama_llama3rope_gqa4", seed=1, scale=0.3, layers=L)
 
 
 def slim(**kw):

@@ -163,7 +163,6 @@ class Cascading(PrefillEviction):
     def finalize(self, kv, st):
         k, v, pos, valid = kv  # [L, B, K, T, D], valid [L, B, K, T]
         L, B, K, T = valid.shape
-        P = T - self.window
         valid_BT = valid[0, :, 0]
         st = dict(st)
         if not self.cascade:

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax import select
+from kvjax import scoring, select
 from kvjax.config import ModelConfig
 from kvjax.methods import register
 from kvjax.methods.eviction import DecodeEviction
@@ -69,32 +69,19 @@ def attention_moments(
     `h2o_head_score` with squares): (sum_t a_tj, sum_t a_tj^2, count of queries t that see j)
     with a = the softmax averaged over the G query heads of the KV head, over the valid
     queries. Queries run in blocks of `block` (at most [B, H, block, S] at a time)."""
-    B, T, H, D = q_BTHD.shape
-    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
-    block = min(block, T)
-    nb = -(-T // block)
-    pad = nb * block - T
-    if pad:
-        q_BTHD = jnp.pad(q_BTHD, [(0, 0), (0, pad), (0, 0), (0, 0)])
-        qpos_BT = jnp.pad(qpos_BT, [(0, 0), (0, pad)])
-        qvalid_BT = jnp.pad(qvalid_BT, [(0, 0), (0, pad)])
-    qb = q_BTHD.reshape(B, nb, block, H, D).swapaxes(0, 1)
-    pb = qpos_BT.reshape(B, nb, block).swapaxes(0, 1)
-    vb = qvalid_BT.reshape(B, nb, block).swapaxes(0, 1)
+    B, K, S = kvalid_BKS.shape
 
-    def one(carry, xs):
-        q, p, v = xs
-        ok = attention.mask(p, kpos_BKS, kvalid_BKS)  # [B, K, b, S]
-        a = jnp.mean(attention.softmax(attention.logits(q, k_BKSD), ok), axis=2)  # [B,K,b,S]
+    def step(carry, probs, ok, v):
+        a = jnp.mean(probs, axis=2)  # [B, K, b, S]
         w = v[:, None, :, None]
         s, s2, c = carry
         return (s + jnp.sum(jnp.where(w, a, 0.0), axis=2),
                 s2 + jnp.sum(jnp.where(w, a * a, 0.0), axis=2),
-                c + jnp.sum(ok & w, axis=2, dtype=jnp.float32)), None
+                c + jnp.sum(ok & w, axis=2, dtype=jnp.float32))
 
     z = jnp.zeros((B, K, S), jnp.float32)
-    (s, s2, c), _ = jax.lax.scan(one, (z, z, z), (qb, pb, vb))
-    return s, s2, c
+    return scoring.fold_query_blocks(step, (z, z, z), q_BTHD, k_BKSD, qpos_BT, qvalid_BT,
+                                     kpos_BKS, kvalid_BKS, block)
 
 
 def mean_std(s_BKC: Float[Array, "B K C"], s2_BKC: Float[Array, "B K C"],
