@@ -97,3 +97,18 @@ def results_parser(doc: str | None, out: Path, samples: int = 50) -> argparse.Ar
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=out)
     return p
+
+
+def run_once(path: Path, args: list[str], cwd: Path) -> Path:
+    """`python -m kvjax.run <args> --output path`, unless `path` exists (delete it to
+    re-measure): the results scripts resume where an interrupted sweep stopped."""
+    import subprocess
+    import sys
+
+    if path.exists():
+        print(f"{path} exists: not re-running", file=sys.stderr)
+        return path
+    print("kvjax.run " + " ".join(args), file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "kvjax.run", *args, "--output", str(path)],
+                   check=True, cwd=cwd)
+    return path

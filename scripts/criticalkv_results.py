@@ -17,7 +17,6 @@ samples of a retrieval task). Every number comes from the JSON records / this ru
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -39,18 +38,11 @@ SCENARIOS = ("context_only", "question_aware")
 
 
 def run_scenario(a, scenario, out: Path) -> Path:
-    path = out / f"criticalkv_{scenario}.json"
-    if path.exists():
-        print(f"{path} exists: not re-running", file=sys.stderr)
-        return path
     ms = ",".join(["full"] + [m for p in PAIRS for m in p])
-    cmd = [sys.executable, "-m", "kvjax.run", "--model", a.model, "--method", ms,
-           "--budget", a.budgets, "--task", a.tasks, "--context", str(a.context),
-           "--scenario", scenario, "--samples", str(a.samples), "--seed", str(a.seed),
-           "--output", str(path), "--no-progress"]
-    print(" ".join(cmd[2:]), file=sys.stderr)
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    return path
+    return report.run_once(out / f"criticalkv_{scenario}.json", [
+        "--model", a.model, "--method", ms, "--budget", a.budgets, "--task", a.tasks,
+        "--context", str(a.context), "--scenario", scenario, "--samples", str(a.samples),
+        "--seed", str(a.seed), "--no-progress"], ROOT)
 
 
 def perturbation(model, name: str, budget: int, ids: list[int], window: int) -> np.ndarray:

@@ -18,7 +18,6 @@ and cam.py).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -49,17 +48,15 @@ def accuracy(a, out: Path) -> list[dict]:
             print(f"{name}: not registered, skipped", file=sys.stderr)
             continue
         path = out / f"d2o_acc_{label.replace(':', '_').replace('=', '-')}.json"
-        if not path.exists():
-            cmd = [sys.executable, "-m", "kvjax.run", "--model", a.model, "--method", name,
-                   "--task", a.tasks, "--context", str(a.context), "--samples", str(a.samples),
-                   "--seed", str(a.seed), "--output", str(path), "--no-progress"]
-            if name != "full":
-                # rho is the kept fraction (the paper's); `--ratio` is kvpress's removed one
-                cmd += ["--ratio", ",".join(str(round(1 - r, 6)) for r in a.ratios)]
-            for k, v in sets.items():
-                cmd += ["--set", f"{k}={v}"]
-            print(" ".join(cmd[2:]), file=sys.stderr)
-            subprocess.run(cmd, check=True, cwd=ROOT)
+        args = ["--model", a.model, "--method", name, "--task", a.tasks, "--context",
+                str(a.context), "--samples", str(a.samples), "--seed", str(a.seed),
+                "--no-progress"]
+        if name != "full":
+            # rho is the kept fraction (the paper's); `--ratio` is kvpress's removed one
+            args += ["--ratio", ",".join(str(round(1 - r, 6)) for r in a.ratios)]
+        for k, v in sets.items():
+            args += ["--set", f"{k}={v}"]
+        report.run_once(path, args, ROOT)
         for r in report.load_records(path):
             recs.append({**r, "label": label})
     return recs

@@ -14,7 +14,6 @@ context. Every number comes from a measured record.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,17 +30,10 @@ SCENARIOS = ("question_aware", "context_only")
 
 
 def run_scenario(a, scenario: str) -> Path:
-    path = a.out / f"lava_{scenario}.json"
-    if path.exists():
-        print(f"{path} exists: not re-running", file=sys.stderr)
-        return path
-    cmd = [sys.executable, "-m", "kvjax.run", "--model", a.model, "--method", a.methods,
-           "--budget", a.budgets, "--task", a.tasks, "--context", a.context,
-           "--scenario", scenario, "--samples", str(a.samples), "--seed", str(a.seed),
-           "--output", str(path), "--no-progress"]
-    print(" ".join(cmd[2:]), file=sys.stderr)
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    return path
+    return report.run_once(a.out / f"lava_{scenario}.json", [
+        "--model", a.model, "--method", a.methods, "--budget", a.budgets, "--task", a.tasks,
+        "--context", a.context, "--scenario", scenario, "--samples", str(a.samples),
+        "--seed", str(a.seed), "--no-progress"], ROOT)
 
 
 def label(r: dict) -> str:

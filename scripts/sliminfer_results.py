@@ -26,7 +26,6 @@ saved to `<out>/random-model` (accuracy is then meaningless: for checking the pi
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -68,19 +67,10 @@ def model_config(model: str):
 
 
 def run_method(a, method: str, model: str, out: Path) -> Path:
-    path = out / f"sliminfer_{method}.json"
-    if path.exists():
-        print(f"{path} exists: not re-running", file=sys.stderr)
-        return path
-    cmd = [sys.executable, "-m", "kvjax.run", "--model", model, "--method", method,
-           "--task", a.tasks, "--context", a.contexts, "--samples", str(a.samples),
-           "--seed", str(a.seed), "--batch-size", str(a.batch_size), "--details",
-           "--output", str(path)]
-    if a.no_progress:
-        cmd.append("--no-progress")
-    print(" ".join(cmd[2:]), file=sys.stderr)
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    return path
+    return report.run_once(out / f"sliminfer_{method}.json", [
+        "--model", model, "--method", method, "--task", a.tasks, "--context", a.contexts,
+        "--samples", str(a.samples), "--seed", str(a.seed), "--batch-size", str(a.batch_size),
+        "--details", *(["--no-progress"] if a.no_progress else [])], ROOT)
 
 
 def per_sample(r: dict, key: str) -> list:

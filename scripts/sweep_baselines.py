@@ -21,7 +21,6 @@ from those JSON records.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,19 +35,11 @@ SCENARIOS = ("question_aware", "context_only")
 
 
 def run_scenario(a, scenario: str, out: Path) -> Path:
-    path = out / f"baselines_{scenario}.json"
-    if path.exists():
-        print(f"{path} exists: not re-running", file=sys.stderr)
-        return path
-    cmd = [sys.executable, "-m", "kvjax.run", "--model", a.model, "--method", a.methods,
-           "--budget", a.budgets, "--task", a.tasks, "--context", a.context,
-           "--scenario", scenario, "--samples", str(a.samples), "--seed", str(a.seed),
-           "--batch-size", str(a.batch_size), "--output", str(path)]
-    if a.no_progress:
-        cmd.append("--no-progress")
-    print(" ".join(cmd[2:]), file=sys.stderr)
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    return path
+    return report.run_once(out / f"baselines_{scenario}.json", [
+        "--model", a.model, "--method", a.methods, "--budget", a.budgets, "--task", a.tasks,
+        "--context", a.context, "--scenario", scenario, "--samples", str(a.samples),
+        "--seed", str(a.seed), "--batch-size", str(a.batch_size),
+        *(["--no-progress"] if a.no_progress else [])], ROOT)
 
 
 def label(r: dict) -> str:
