@@ -112,3 +112,8 @@ def run_once(path: Path, args: list[str], cwd: Path) -> Path:
     subprocess.run([sys.executable, "-m", "kvjax.run", *args, "--output", str(path)],
                    check=True, cwd=cwd)
     return path
+
+
+def method_label(r: dict) -> str:
+    """Table row of a record: `full`, or `method @budget`."""
+    return "full" if r["method"] == "full" else f"{r['method']} @{r['budget']}"

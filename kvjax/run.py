@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -163,6 +164,18 @@ def evaluate(model, method, task: str, context: int, args, budget, ratio, pbar=N
     return record
 
 
+def _finite(x):
+    """NaN/inf (e.g. ASL's relative variance at layers a method never scored) as null: the
+    output is strict JSON that any parser reads."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from kvjax import methods, pallas
@@ -215,7 +228,8 @@ def main(argv=None) -> int:
     out = {"records": records, "wall_s": time.perf_counter() - t0, "args": {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     if args.output:
-        args.output.write_text(json.dumps(out, indent=1, default=str) + "\n")
+        args.output.write_text(json.dumps(_finite(out), indent=1, default=str, allow_nan=False)
+                               + "\n")
         print(f"wrote {len(records)} records to {args.output}", file=sys.stderr)
     return 0
 

@@ -100,10 +100,6 @@ def perturbation_table(a) -> str:
     return "\n".join(rows)
 
 
-def label(r):
-    return "full" if r["method"] == "full" else f"{r['method']} @{r['budget']}"
-
-
 def main(argv=None) -> int:
     p = report.results_parser(__doc__, ROOT / "docs" / "results")
     p.add_argument("--budgets", default="48,64,128,256")
@@ -123,9 +119,9 @@ def main(argv=None) -> int:
              "window included."]
     for scenario in a.scenarios.split(","):
         recs = json.loads(run_scenario(a, scenario, a.out).read_text())["records"]
-        recs = sorted(recs, key=label)
+        recs = sorted(recs, key=report.method_label)
         parts += ["", f"## Accuracy (%), {scenario.replace('_', '-')}", "",
-                  report.markdown_table(recs, label, lambda r: r["task"],
+                  report.markdown_table(recs, report.method_label, lambda r: r["task"],
                                         lambda r: 100 * r["accuracy"], fmt="{:.0f}",
                                         row_name="method @ budget", mean_col=True)]
         for task in sorted({r["task"] for r in recs}):

@@ -36,10 +36,6 @@ def run_scenario(a, scenario: str) -> Path:
         "--seed", str(a.seed), "--no-progress"], ROOT)
 
 
-def label(r: dict) -> str:
-    return "full" if r["method"] == "full" else f"{r['method']} @{r['budget']}"
-
-
 def heatmaps(a) -> list[str]:
     """LAVa's live slots [L, K] on the first sample of each task (question-aware)."""
     try:
@@ -88,7 +84,7 @@ def write_report(records: list[dict], a) -> str:
         recs = [r for r in records if r["scenario"] == scenario]
         if not recs:
             continue
-        acc = report.markdown_table(recs, label, lambda r: r["task"],
+        acc = report.markdown_table(recs, report.method_label, lambda r: r["task"],
                                     lambda r: 100 * r["accuracy"], fmt="{:.0f}",
                                     row_name="method @ budget", mean_col=True)
         parts += ["", f"## {scenario.replace('_', '-')}", "", acc]

@@ -42,10 +42,6 @@ def run_scenario(a, scenario: str, out: Path) -> Path:
         *(["--no-progress"] if a.no_progress else [])], ROOT)
 
 
-def label(r: dict) -> str:
-    return "full" if r["method"] == "full" else f"{r['method']} @{r['budget']}"
-
-
 def write_report(records: list[dict], a, out: Path) -> str:
     parts = [
         "# Post-prefill eviction baselines on the bundled model",
@@ -63,10 +59,10 @@ def write_report(records: list[dict], a, out: Path) -> str:
             continue
         recs = sorted(recs, key=lambda r: (r["method"] != "full", r["method"],
                                            r["budget"] if r["budget"] is not None else -1))
-        acc = report.markdown_table(recs, label, lambda r: r["task"],
+        acc = report.markdown_table(recs, report.method_label, lambda r: r["task"],
                                     lambda r: 100 * r["accuracy"], fmt="{:.0f}",
                                     row_name="method @ budget", mean_col=True)
-        kv = report.markdown_table(recs, label, lambda r: r["task"],
+        kv = report.markdown_table(recs, report.method_label, lambda r: r["task"],
                                    lambda r: r["kv_fraction"], fmt="{:.3f}",
                                    row_name="method @ budget")
         parts += ["", f"## {scenario.replace('_', '-')}", "", "Accuracy (%):", "", acc, "",

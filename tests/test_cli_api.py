@@ -89,6 +89,12 @@ def test_cli_run_writes_records(model_dir, tmp_path):
         assert r["kv_fraction"] == pytest.approx(1.0)
 
 
+def test_output_json_is_strict():
+    """ASL's relative variance is NaN at the layers it never scored: written as null."""
+    out = cli._finite({"rv": [float("nan"), 0.5, (float("inf"),)], "n": 3})
+    assert json.loads(json.dumps(out, allow_nan=False)) == {"rv": [None, 0.5, [None]], "n": 3}
+
+
 def test_cli_bad_input(model_dir):
     r = _run("--model", str(model_dir), "--method", "nope", "--context", "128")
     assert r.returncode != 0 and "unknown method 'nope'" in r.stderr
