@@ -36,8 +36,9 @@ class TrainConfig:
     weight_decay: float = 0.01
     clip: float = 1.0
     lm_weight: float = 0.1  # next-token loss on the context (repeated filler teaches copying)
-    # (from step, context length, batch size): long contexts come late and in small batches,
-    # so a step costs about the same number of tokens throughout
+    # (from step, context length, batch size[, task weights]): long contexts come late and in
+    # small batches, so a step costs about the same number of tokens throughout; a stage's
+    # own task weights replace `tasks` while it lasts
     curriculum: tuple = ((0, 256, 8),)
     tasks: tuple = (("niah_single", 1.0),)
     checkpoint_every: int = 100
@@ -46,8 +47,15 @@ class TrainConfig:
 
     def stage(self, step: int) -> tuple[int, int]:
         """(context length, batch size) at `step`."""
-        _, ctx, bs = [c for c in self.curriculum if c[0] <= step][-1]
-        return ctx, bs
+        return self._stage(step)[1:3]
+
+    def mixture(self, step: int) -> tuple:
+        """((task, weight), ...) drawn from at `step`."""
+        st = self._stage(step)
+        return st[3] if len(st) > 3 else self.tasks
+
+    def _stage(self, step: int) -> tuple:
+        return [c for c in self.curriculum if c[0] <= step][-1]
 
 
 def load_configs(path: str | Path) -> tuple[ModelConfig, TrainConfig, dict]:
@@ -55,8 +63,10 @@ def load_configs(path: str | Path) -> tuple[ModelConfig, TrainConfig, dict]:
     m = raw["model"]
     cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in m.items()})
     t = dict(raw.get("train", {}))
-    t["curriculum"] = tuple(tuple(x) for x in t.get("curriculum", ((0, 256, 8),)))
-    t["tasks"] = tuple((k, float(v)) for k, v in t.get("tasks", {"niah_single": 1}).items())
+    weights = lambda d: tuple((k, float(v)) for k, v in d.items())  # noqa: E731
+    t["curriculum"] = tuple(tuple(x[:3]) + tuple(weights(w) for w in x[3:])
+                            for x in t.get("curriculum", ((0, 256, 8),)))
+    t["tasks"] = weights(t.get("tasks", {"niah_single": 1}))
     return cfg, TrainConfig(**t), raw
 
 
@@ -148,8 +158,8 @@ def make_batch(tc: TrainConfig, step: int) -> dict:
 
     context, batch_size = tc.stage(step)
     rng = np.random.default_rng([tc.seed, step])
-    names = [n for n, _ in tc.tasks]
-    w = np.array([x for _, x in tc.tasks])
+    names = [n for n, _ in tc.mixture(step)]
+    w = np.array([x for _, x in tc.mixture(step)])
     seqs = []
     for _ in range(batch_size):
         name = names[rng.choice(len(names), p=w / w.sum())]

@@ -79,3 +79,19 @@ def test_copy_example_targets_follow_a_unique_cue():
         assert body.count(cue) == 1
         i = body.index(cue)
         assert body[i + 1: i + span] == target[:-1]
+
+
+def test_a_stage_with_its_own_tasks_replaces_the_mixture(tmp_path):
+    cfg = {**CONFIG, "train": {**CONFIG["train"], "curriculum": [
+        [0, 32, 8, {"copy_random": 1}], [2, 128, 4]]}}
+    p = tmp_path / "staged.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    _, tc, _ = train.load_configs(p)
+    assert tc.mixture(1) == (("copy_random", 1.0),) and tc.stage(1) == (32, 8)
+    assert tc.mixture(2) == tc.tasks and tc.stage(2) == (128, 4)
+    b = train.make_batch(tc, 0)
+    assert b["inputs"].shape == (8, 32)
+    # copy_random at 32 tokens: the 8 target tokens all occur earlier in the sequence
+    for i in range(8):
+        ans = np.flatnonzero(b["answer_mask"][i])[:-1]  # eos last
+        assert set(b["labels"][i, ans]) <= set(b["inputs"][i, : ans[0]])
