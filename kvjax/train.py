@@ -158,8 +158,8 @@ def make_batch(tc: TrainConfig, step: int) -> dict:
 
     context, batch_size = tc.stage(step)
     rng = np.random.default_rng([tc.seed, step])
-    names = [n for n, _ in tc.mixture(step)]
-    w = np.array([x for _, x in tc.mixture(step)])
+    names, w = zip(*tc.mixture(step))
+    w = np.array(w)
     seqs = []
     for _ in range(batch_size):
         name = names[rng.choice(len(names), p=w / w.sum())]
@@ -191,6 +191,18 @@ def optimizer(tc: TrainConfig):
                        optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
 
 
+def update_fn(cfg: ModelConfig, tc: TrainConfig, opt):
+    """The jitted training step `(params, opt_state, batch) -> (params, opt_state, loss, aux)`."""
+    @jax.jit
+    def update(params, opt_state, batch):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, cfg, batch, tc.lm_weight, batch["inputs"].shape[1] >= tc.remat_from)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, aux
+
+    return update
+
+
 def train(config_path: str | Path, workdir: str | Path, export: str | Path | None = None,
           steps: int | None = None, log_every: int = 10, export_early: bool = False) -> dict:
     """Run (or resume) training up to `steps` (default: the config's).
@@ -217,13 +229,7 @@ def train(config_path: str | Path, workdir: str | Path, export: str | Path | Non
         params, opt_state = restored["state"]["params"], restored["state"]["opt_state"]
         print(f"resumed from step {start}")
 
-    @jax.jit
-    def update(params, opt_state, batch):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, cfg, batch, tc.lm_weight, batch["inputs"].shape[1] >= tc.remat_from)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, aux
-
+    update = update_fn(cfg, tc, opt)
     log = []
     t0 = time.perf_counter()
     for step in range(start, stop):

@@ -5,12 +5,13 @@
 
 Trains a model of the bundled architecture (hidden 128, 4/2 heads of 32, the tokenizer's
 1408-entry vocabulary) on copy examples of uniform random tokens only: `context - span - 1`
-tokens from the first N words (`--words step:N,...`: N from that step on), the token at a
-random position again, then the `span` tokens that followed it. Only the repeat is
-predictable, so answer accuracy above 1/N means an induction circuit. `--grow step:L`
-deepens the model to L layers at that step by stacking new layers whose output projections
-(o, down) are zero: the function, and the copy accuracy, are unchanged there (progressive
-stacking). Prints loss and answer accuracy every 100 steps.
+tokens among N (`--words step:N,...`: N from that step on; the N token ids from 16 on, i.e.
+the last 11 punctuation marks, then words), the token at a random position again, then the
+`span` tokens that followed it. Only the repeat is predictable, so answer accuracy above
+1/N means an induction circuit. `--grow step:L` deepens the model to L layers at that step
+by stacking new layers whose output projections (o, down) are zero: the function, and the
+copy accuracy, are unchanged there (progressive stacking). Prints loss and answer accuracy
+every 100 steps.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def batch(rng, context: int, span: int, vocab: int, bs: int) -> dict:
     b = {k: np.zeros((bs, context - 1), dt) for k, dt in
          (("inputs", np.int32), ("labels", np.int32), ("answer_mask", np.float32))}
     for i in range(bs):
-        ids = rng.integers(16, 16 + vocab, n)  # word ids start after specials/digits
+        ids = rng.integers(16, 16 + vocab, n)
         s = int(rng.integers(0, n - span))
         seq = np.concatenate([[1], ids, [ids[s]], ids[s + 1: s + span]])
         b["inputs"][i], b["labels"][i] = seq[:-1], seq[1:]
@@ -70,20 +71,12 @@ def main(argv=None) -> int:
     params = train.init_params(cfg, jax.random.PRNGKey(a.seed))
     opt = train.optimizer(tc)
 
-    def make_update(cfg):
-        @jax.jit
-        def update(params, opt_state, b):
-            (loss, aux), g = jax.value_and_grad(train.loss_fn, has_aux=True)(
-                params, cfg, b, 0.0, False)
-            u, opt_state = opt.update(g, opt_state, params)
-            return jax.tree.map(lambda x, d: x + d, params, u), opt_state, loss, aux
-        return update
 
-    opt_state, update, t0 = opt.init(params), make_update(cfg), time.perf_counter()
+    opt_state, update, t0 = opt.init(params), train.update_fn(cfg, tc, opt), time.perf_counter()
     for step in range(a.steps):
         if step in grows:
             params, cfg = grow(params, cfg, grows[step], jax.random.PRNGKey(a.seed + step))
-            opt_state, update = opt.init(params), make_update(cfg)
+            opt_state, update = opt.init(params), train.update_fn(cfg, tc, opt)
         vocab = words[max(s for s in words if s <= step)]
         b = batch(np.random.default_rng([a.seed, step]), a.context, a.span, vocab, a.batch)
         params, opt_state, loss, aux = update(params, opt_state, b)
