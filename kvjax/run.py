@@ -155,6 +155,7 @@ def evaluate(model, method, task: str, context: int, args, budget, ratio, pbar=N
         "tpot_s": float(np.mean(tpot)) if tpot else None,
         "compile_s": compile_s,
         "selection_layer": extra_stats.get("selection_layer"),
+        "select_k": extra_stats.get("select_k"),  # resolved (FastKV's is a rate of the prompt)
         "method_params": dataclasses.asdict(method),
         "model": model.name,
         "versions": {"kvjax": kvjax.__version__, "jax": jax.__version__},

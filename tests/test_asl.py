@@ -52,7 +52,7 @@ def reference_asl(attn, select_k, window, kernel, tau, l_min, l_obs, group):
             top = np.flatnonzero(r <= select_k - window)
             sel = (l, np.sort(np.concatenate([top, np.arange(n - window, n)])))
             break
-    return sel, np.array(curve)
+    return sel, np.array(curve), init_var
 
 
 def _hf_attn(model, ids):
@@ -70,11 +70,13 @@ def test_reference_selection_layer_curve_and_kept_set(pair):
     m = methods.create("asl", **KW)
     seen_layers = set()
     for ids in PROMPTS:
-        ref_sel, ref_curve = reference_asl(_hf_attn(model, ids), 40, 8, 7, 0.98, L // 3, 8,
+        ref_sel, ref_curve, ref_init = reference_asl(_hf_attn(model, ids), 40, 8, 7, 0.98, L // 3, 8,
                                            cfg.group_size)
         g = engine.run(params, cfg, [ids], m, max_new_tokens=1, stop_ids=())
         curve = np.array(g.stats["relative_variance"][0][: len(ref_curve)])
         np.testing.assert_allclose(curve, ref_curve, rtol=1e-4, equal_nan=True)
+        np.testing.assert_allclose(g.stats["init_var"][0], ref_init, rtol=1e-4)
+        assert g.stats["tau_crossed"] == g.stats["selected"] == [ref_sel is not None]
         sel_layer = g.stats["selection_layer"][0]
         if ref_sel is None:
             assert sel_layer == -1
@@ -146,6 +148,11 @@ def test_tiny_tau_never_selects_and_full_before_equals_full(pair):
     never = engine.run(params, cfg, [ids], methods.create("asl_full_before", select_k=40, window=8,
                                                           tau=1e-9), max_new_tokens=8, stop_ids=())
     assert never.stats["selection_layer"] == [-1] and never.tokens == full.tokens
+    assert never.stats["selected"] == never.stats["tau_crossed"] == [False]
+    fallback = engine.run(params, cfg, [ids], methods.create(
+        "asl", select_k=40, window=8, tau=1e-9, fallback_layer=5), max_new_tokens=1, stop_ids=())
+    assert fallback.stats["selection_layer"] == [5] and fallback.stats["selected"] == [True]
+    assert fallback.stats["tau_crossed"] == [False]  # selected by the fallback, not by tau
     keep_all = engine.run(params, cfg, [ids], methods.create("asl_full_before", select_k=len(ids),
                                                              window=8, tau=0.9, fallback_layer=5),
                           max_new_tokens=8, stop_ids=())
@@ -156,7 +163,8 @@ def test_fixed_layer_baselines(pair):
     _, cfg, params = pair
     ids = PROMPTS[3]
     fk = engine.run(params, cfg, [ids], methods.create("fastkv"), max_new_tokens=1, stop_ids=())
-    assert fk.stats["selection_layer"] == [round(15 * L / 32)]
+    assert fk.stats["selection_layer"] == [round(15 * L / 32)] and fk.stats["selected"] == [True]
+    assert "tau_crossed" not in fk.stats and fk.stats["select_k"] == [int(0.2 * len(ids))]
     gf = engine.run(params, cfg, [ids], methods.create("gemfilter", select_k=32),
                     max_new_tokens=1, stop_ids=())
     assert gf.stats["selection_layer"] == [round(13 * L / 32)]

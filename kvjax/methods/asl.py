@@ -86,6 +86,10 @@ class ASL(LayerwiseSelection):
             hit |= layer == self.fallback_layer
         return hit, (ring, init_var), rel
 
+    def exit_stats(self, ex, relvar) -> dict:
+        # crossed tau, as opposed to selecting at `fallback_layer` (NaN compares False)
+        return {"init_var": ex[1], "tau_crossed": jnp.any(relvar < self.tau)}
+
 
 @register
 @dataclasses.dataclass(frozen=True)

@@ -145,6 +145,10 @@ class LayerwiseSelection(Method):
         """-> (select now?, exit state, relative variance or nan)."""
         return layer == self.fixed_layer(cfg), ex, jnp.float32(jnp.nan)
 
+    def exit_stats(self, ex, relvar) -> dict:
+        """What the exit test adds to the stats (a fixed layer: nothing)."""
+        return {}
+
     # ---- the prefill ------------------------------------------------------------------------
 
     def prefill(self, params, cfg: ModelConfig, tokens_BT, valid_BT, pos_BT):
@@ -207,7 +211,7 @@ class LayerwiseSelection(Method):
         init1 = (jnp.int32(0), params["embed"][tokens], kv0, self.init_exit(cfg, P),
                  jnp.zeros((1, k_sel, D), dt), jnp.zeros((k_sel,), jnp.int32),
                  jnp.full((L,), jnp.nan, jnp.float32), jnp.bool_(False))
-        l1, x, kv, _, x_sel, idx_sel, relvar, selected = jax.lax.while_loop(cond1, body1, init1)
+        l1, x, kv, ex, x_sel, idx_sel, relvar, selected = jax.lax.while_loop(cond1, body1, init1)
         sel_layer = jnp.where(selected, l1 - 1, -1)
 
         # ---- loop 2: the k selected tokens ---------------------------------------------------
@@ -232,6 +236,6 @@ class LayerwiseSelection(Method):
 
         _, x2, kv = jax.lax.while_loop(lambda c: c[0] < L, body2, (start, x2, kv))
         last = jnp.where(selected, x2[:, -1], x[:, -1])
-        stats = {"selection_layer": sel_layer, "relative_variance": relvar,
-                 "tau_crossed": selected, "select_k": jnp.int32(k_sel)}
+        stats = {"selection_layer": sel_layer, "selected": selected, "select_k": jnp.int32(k_sel),
+                 "relative_variance": relvar, **self.exit_stats(ex, relvar)}
         return last, kv, stats
