@@ -14,6 +14,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,10 @@ class TrainConfig:
     curriculum: tuple = ((0, 256, 8),)
     tasks: tuple = (("niah_single", 1.0),)
     checkpoint_every: int = 100
+    # (from step, layers): progressive stacking. The model starts shallow (induction forms
+    # in a 2-layer model within a few hundred steps on this CPU; at 12 layers it had not
+    # after 1000, MODEL.md) and is deepened by `grow`; the model config's depth is the last
+    layers: tuple = ()
     remat_from: int = 1024  # rematerialise layers from this context on (below, memory is
     # plentiful and remat only costs a third more compute)
 
@@ -53,6 +58,10 @@ class TrainConfig:
         """((task, weight), ...) drawn from at `step`."""
         st = self._stage(step)
         return st[3] if len(st) > 3 else self.tasks
+
+    def depth(self, step: int, final: int) -> int:
+        """Layers the model has while taking step `step` (`final` once the schedule ends)."""
+        return ([n for s, n in self.layers if s <= step] or [final])[-1]
 
     def _stage(self, step: int) -> tuple:
         return [c for c in self.curriculum if c[0] <= step][-1]
@@ -67,7 +76,12 @@ def load_configs(path: str | Path) -> tuple[ModelConfig, TrainConfig, dict]:
     t["curriculum"] = tuple(tuple(x[:3]) + tuple(weights(w) for w in x[3:])
                             for x in t.get("curriculum", ((0, 256, 8),)))
     t["tasks"] = weights(t.get("tasks", {"niah_single": 1}))
-    return cfg, TrainConfig(**t), raw
+    t["layers"] = tuple(tuple(x) for x in t.get("layers", ()))
+    tc = TrainConfig(**t)
+    if tc.layers and tc.layers[-1][1] != cfg.num_layers:
+        raise ValueError(f"train.layers ends at {tc.layers[-1][1]} layers, but the model has "
+                         f"num_layers={cfg.num_layers}: the last stage must be the model's depth")
+    return cfg, tc, raw
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
@@ -87,6 +101,20 @@ def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
             s = std / np.sqrt(2 * cfg.num_layers) if path.endswith(("'o']", "'down']")) else std
             out.append(s * jax.random.normal(k, shape, jnp.float32))
     return jax.tree.unflatten(tree, out)
+
+
+def grow(params: dict, cfg: ModelConfig, layers: int, key: jax.Array
+         ) -> tuple[dict, ModelConfig]:
+    """Deepen to `layers` by stacking freshly initialised layers on top whose output
+    projections (o, down) are zero: each new layer adds nothing to the residual stream, so
+    the grown model computes exactly the same function (progressive stacking, Gong et al.
+    2019), and gradients reach the new layers through their zero projections at once."""
+    big = dataclasses.replace(cfg, num_layers=layers)
+    new = init_params(big, key)["layers"]
+    n = cfg.num_layers
+    out = {k: v.at[:n].set(params["layers"][k]) for k, v in new.items()}
+    out["o"], out["down"] = out["o"].at[n:].set(0.0), out["down"].at[n:].set(0.0)
+    return {**params, "layers": out}, big
 
 
 def forward(params, cfg: ModelConfig, tokens_BT, valid_BT, remat: bool = True):
@@ -126,22 +154,27 @@ def copy_span(context_length: int) -> int:
     return min(max(context_length // 4, 8), 64)
 
 
-def copy_example(context_length: int, rng: np.random.Generator, random_tokens: bool = False
+def copy_example(context_length: int, rng: np.random.Generator, random_tokens: int | bool = False
                  ) -> tuple[list[int], list[int]]:
     """A training-only task that makes induction heads form early: a haystack, then one of
     its tokens again; the target is the `copy_span` tokens that followed it. Retrieval on
     every task is this circuit (find the cue earlier, copy what came after), and every
     target token here is one step of it, so the signal is dense where the tasks' answers
-    are a few tokens per sequence."""
+    are a few tokens per sequence.
+
+    `random_tokens` (task `copy_random`, or `copy_random:N` for the first N): the haystack is
+    uniform over the punctuation marks and words instead of generated text, so only the
+    repeat is predictable and nothing but induction lowers the loss."""
     from kvjax.tasks import haystack
     from kvjax.tasks import vocab
     from kvjax.tasks.tokenizer import BOS_ID, EOS_ID, token_ids, vocabulary
 
     span = copy_span(context_length)
     n = context_length - span - 1
-    if random_tokens:  # `copy_random`: uniform over the words, only the repeat is predictable
-        first = len(vocab.SPECIAL_TOKENS) + len(vocab.DIGITS) + len(vocab.PUNCTUATION)
-        ids = rng.integers(first, len(vocabulary()), n).tolist()
+    if random_tokens:
+        first = len(vocab.SPECIAL_TOKENS) + len(vocab.DIGITS)
+        top = len(vocabulary()) if random_tokens is True else first + int(random_tokens)
+        ids = rng.integers(first, top, n).tolist()
     else:
         ids = token_ids(haystack.tokens(rng, n))
     counts = np.bincount(ids)
@@ -163,29 +196,37 @@ def make_batch(tc: TrainConfig, step: int) -> dict:
     seqs = []
     for _ in range(batch_size):
         name = names[rng.choice(len(names), p=w / w.sum())]
-        if name in ("copy", "copy_random"):
-            prompt, target = copy_example(context, rng, random_tokens=name == "copy_random")
+        kind, _, n_words = name.partition(":")
+        if kind in ("copy", "copy_random"):
+            prompt, target = copy_example(context, rng, int(n_words or 0) or kind == "copy_random")
         else:
             prompt, target = tasks.training_example(name, context, rng)
-        seqs.append((prompt, target))
-    T = max(len(p) + len(t) for p, t in seqs) - 1
-    T = -(-T // 32) * 32  # few distinct shapes (few compilations), little padding
+        # no next-token loss on random tokens: their only lesson would be a false unigram law
+        seqs.append((prompt, target, kind != "copy_random"))
+    T = max(len(p) + len(t) for p, t, _ in seqs) - 1
+    r = 32 if T > 64 else 8
+    T = -(-T // r) * r  # few distinct shapes (few compilations), little padding
     batch = {k: np.zeros((batch_size, T), dt) for k, dt in
              (("inputs", np.int32), ("labels", np.int32), ("valid", bool),
               ("answer_mask", np.float32), ("context_mask", np.float32))}
-    for i, (p, t) in enumerate(seqs):
+    for i, (p, t, lm) in enumerate(seqs):
         seq = np.array(p + t, np.int32)
         n = len(seq) - 1
         batch["inputs"][i, :n] = seq[:-1]
         batch["labels"][i, :n] = seq[1:]
         batch["valid"][i, :n] = True
         batch["answer_mask"][i, len(p) - 1: n] = 1  # predict every target token
-        batch["context_mask"][i, : len(p) - 1] = 1
+        batch["context_mask"][i, : len(p) - 1] = lm
     return batch
 
 
-def optimizer(tc: TrainConfig):
-    sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup, max(tc.steps, tc.warmup + 1),
+def optimizer(tc: TrainConfig, step: int = 0):
+    """AdamW, warmup + cosine over the steps the depth of `step` trains for: each growth
+    starts a new schedule (and fresh moments), and every depth ends at the low rate."""
+    starts = [s for s, _ in tc.layers if s <= step] or [0]
+    ends = [s for s, _ in tc.layers if s > step] + [tc.steps]
+    span = ends[0] - starts[-1]
+    sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup, max(span, tc.warmup + 1),
                                                tc.lr * tc.min_lr_ratio)
     return optax.chain(optax.clip_by_global_norm(tc.clip),
                        optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
@@ -216,23 +257,25 @@ def train(config_path: str | Path, workdir: str | Path, export: str | Path | Non
     stop = tc.steps if steps is None else min(steps, tc.steps)
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    opt = optimizer(tc)
     mngr = ocp.CheckpointManager(workdir / "ckpt", options=ocp.CheckpointManagerOptions(
-        max_to_keep=2, save_interval_steps=1))
-    params = init_params(cfg, jax.random.PRNGKey(tc.seed))
-    opt_state = opt.init(params)
-    start = 0
-    if mngr.latest_step() is not None:
-        start = mngr.latest_step()
-        restored = mngr.restore(start, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore({"params": params, "opt_state": opt_state})))
-        params, opt_state = restored["state"]["params"], restored["state"]["opt_state"]
+        max_to_keep=2, keep_period=500, save_interval_steps=1))  # + every 500th, to probe
+    start = mngr.latest_step() or 0
+    final, key = cfg, jax.random.PRNGKey(tc.seed)
+    cfg, params, opt_state = restore(mngr, start, final, tc)
+    if start:
         print(f"resumed from step {start}")
-
+    opt = optimizer(tc, max(start - 1, 0))
     update = update_fn(cfg, tc, opt)
     log = []
     t0 = time.perf_counter()
     for step in range(start, stop):
+        if tc.depth(step, final.num_layers) != cfg.num_layers:
+            params, cfg = grow(params, cfg, tc.depth(step, final.num_layers),
+                               jax.random.fold_in(key, step))
+            # fresh moments and a new warmup: the old layers' moments were fitted to a
+            # shallower network's gradients (the recipe MODEL.md measured)
+            opt = optimizer(tc, step)
+            opt_state, update = opt.init(params), update_fn(cfg, tc, opt)
         batch = make_batch(tc, step)
         params, opt_state, loss, aux = update(params, opt_state, batch)
         done = step + 1
@@ -250,6 +293,22 @@ def train(config_path: str | Path, workdir: str | Path, export: str | Path | Non
     if export and (stop == tc.steps or export_early):
         export_model(export, cfg, params, {**raw, "trained_steps": stop})
     return {"params": params, "opt_state": opt_state, "step": stop, "log": log}
+
+
+def restore(mngr, step: int, cfg: ModelConfig, tc: TrainConfig) -> tuple[ModelConfig, dict, Any]:
+    """(config at the depth of `step`, params, optimizer state) saved after `step` steps
+    by the orbax manager `mngr`; the initial state for step 0."""
+    import orbax.checkpoint as ocp
+
+    # the depth the checkpoint was saved at: that of its last step
+    cfg = dataclasses.replace(cfg, num_layers=tc.depth(max(step - 1, 0), cfg.num_layers))
+    params = init_params(cfg, jax.random.PRNGKey(tc.seed))
+    opt_state = optimizer(tc, max(step - 1, 0)).init(params)
+    if step:
+        state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(
+            {"params": params, "opt_state": opt_state})))["state"]
+        params, opt_state = state["params"], state["opt_state"]
+    return cfg, params, opt_state
 
 
 def export_model(path: str | Path, cfg: ModelConfig, params: dict, raw: dict) -> None:

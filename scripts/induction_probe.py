@@ -17,7 +17,6 @@ every 100 steps.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 
@@ -43,18 +42,6 @@ def batch(rng, context: int, span: int, vocab: int, bs: int) -> dict:
     return b
 
 
-def grow(params: dict, cfg: ModelConfig, layers: int, key) -> tuple[dict, ModelConfig]:
-    """Deepen to `layers`: new layers on top with zero o/down, so the function is kept."""
-    big = dataclasses.replace(cfg, num_layers=layers)
-    new = train.init_params(big, key)
-    n = cfg.num_layers
-    for k, v in new["layers"].items():
-        if k in ("o", "down"):
-            v = v.at[n:].set(0.0)
-        new["layers"][k] = v.at[:n].set(params["layers"][k])
-    return {**params, "layers": new["layers"]}, big
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     for name, typ, default in (("layers", int, 2), ("context", int, 24), ("span", int, 8),
@@ -70,12 +57,10 @@ def main(argv=None) -> int:
     tc = train.TrainConfig(seed=a.seed, steps=a.steps, lr=a.lr, lm_weight=0.0)
     params = train.init_params(cfg, jax.random.PRNGKey(a.seed))
     opt = train.optimizer(tc)
-
-
     opt_state, update, t0 = opt.init(params), train.update_fn(cfg, tc, opt), time.perf_counter()
     for step in range(a.steps):
         if step in grows:
-            params, cfg = grow(params, cfg, grows[step], jax.random.PRNGKey(a.seed + step))
+            params, cfg = train.grow(params, cfg, grows[step], jax.random.PRNGKey(a.seed + step))
             opt_state, update = opt.init(params), train.update_fn(cfg, tc, opt)
         vocab = words[max(s for s in words if s <= step)]
         b = batch(np.random.default_rng([a.seed, step]), a.context, a.span, vocab, a.batch)

@@ -21,16 +21,6 @@ import numpy as np
 from kvjax import train
 
 
-def restore(workdir: Path, step: int, cfg, tc) -> dict:
-    import orbax.checkpoint as ocp
-
-    params = train.init_params(cfg, jax.random.PRNGKey(tc.seed))
-    opt_state = train.optimizer(tc).init(params)
-    mngr = ocp.CheckpointManager(workdir.resolve() / "ckpt")
-    state = ocp.args.StandardRestore({"params": params, "opt_state": opt_state})
-    return mngr.restore(step, args=ocp.args.Composite(state=state))["state"]["params"]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,7 +38,10 @@ def main(argv=None) -> int:
 
         cfg, params = load_hf(a.model)
     else:
-        params = restore(a.workdir, a.step, cfg, tc)
+        import orbax.checkpoint as ocp
+
+        mngr = ocp.CheckpointManager(a.workdir.resolve() / "ckpt")
+        cfg, params, _ = train.restore(mngr, a.step, cfg, tc)
     aux = jax.jit(lambda prm, b: train.loss_fn(prm, cfg, b, tc.lm_weight, False)[1])
     for name, _ in tc.tasks:
         one = dataclasses.replace(tc, tasks=((name, 1.0),), curriculum=((0, a.context, 16),))

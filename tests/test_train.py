@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -10,6 +11,7 @@ import pytest
 import yaml
 
 from kvjax import train
+from kvjax.config import ModelConfig
 
 CONFIG = {
     "model": dict(family="llama", vocab_size=1408, hidden_size=32, intermediate_size=64,
@@ -95,3 +97,51 @@ def test_a_stage_with_its_own_tasks_replaces_the_mixture(tmp_path):
     for i in range(8):
         ans = np.flatnonzero(b["answer_mask"][i])[:-1]  # eos last
         assert set(b["labels"][i, ans]) <= set(b["inputs"][i, : ans[0]])
+
+
+def test_grow_keeps_the_function():
+    cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
+                         for k, v in CONFIG["model"].items()})
+    params = train.init_params(cfg, jax.random.PRNGKey(0))
+    big, big_cfg = train.grow(params, cfg, 5, jax.random.PRNGKey(1))
+    assert big_cfg == dataclasses.replace(cfg, num_layers=5)
+    assert big["layers"]["q"].shape[0] == 5 and float(abs(big["layers"]["q"][2:]).sum()) > 0
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 24), 3, 1000)
+    valid = np.ones((2, 24), bool)
+    a = train.forward(params, cfg, tokens, valid, remat=False)
+    b = train.forward(big, big_cfg, tokens, valid, remat=False)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
+
+
+def test_resume_across_growth_is_identical(tmp_path):
+    cfg = {"model": {**CONFIG["model"], "num_layers": 3},
+           "train": {**CONFIG["train"], "layers": [[0, 1], [4, 3]]}}
+    p = tmp_path / "grow.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    full = train.train(p, tmp_path / "a", log_every=1)
+    assert full["params"]["layers"]["q"].shape[0] == 3
+    for stop in (4, 6):  # a checkpoint at the growth step (saved shallow), one after it
+        part = train.train(p, tmp_path / f"b{stop}", steps=stop)
+        assert part["params"]["layers"]["q"].shape[0] == (1 if stop == 4 else 3)
+        resumed = train.train(p, tmp_path / f"b{stop}")
+        assert _leaves_equal(resumed["params"], full["params"])
+        assert _leaves_equal(resumed["opt_state"], full["opt_state"])
+
+
+def test_growth_schedule_must_end_at_the_model_depth(tmp_path):
+    cfg = {**CONFIG, "train": {**CONFIG["train"], "layers": [[0, 1], [4, 3]]}}
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ValueError, match="num_layers=2"):
+        train.load_configs(p)
+
+
+def test_copy_random_over_the_first_n_tokens(tmp_path):
+    cfg = {**CONFIG, "train": {**CONFIG["train"], "curriculum": [[0, 24, 16, {"copy_random:8": 1}]]}}
+    p = tmp_path / "words.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    _, tc, _ = train.load_configs(p)
+    b = train.make_batch(tc, 0)
+    ids = b["inputs"][:, 1:][b["valid"][:, 1:]]
+    assert set(ids.tolist()) <= set(range(14, 22)) and b["inputs"].shape == (16, 24)
+    assert not b["context_mask"].any()  # random tokens carry no next-token loss
