@@ -44,8 +44,8 @@ class TrainConfig:
     tasks: tuple = (("niah_single", 1.0),)
     checkpoint_every: int = 100
     # (from step, layers): progressive stacking. The model starts shallow (induction forms
-    # in a 2-layer model within a few hundred steps on this CPU; at 12 layers it had not
-    # after 1000, MODEL.md) and is deepened by `grow`; the model config's depth is the last
+    # in a 2-layer model within a few hundred steps on this CPU; a 12-layer one at lr 3e-3
+    # had not after 1000, MODEL.md) and is deepened by `grow`; the last is the model's depth
     layers: tuple = ()
     remat_from: int = 1024  # rematerialise layers from this context on (below, memory is
     # plentiful and remat only costs a third more compute)
@@ -174,6 +174,9 @@ def copy_example(context_length: int, rng: np.random.Generator, random_tokens: i
     if random_tokens:
         first = len(vocab.SPECIAL_TOKENS) + len(vocab.DIGITS)
         top = len(vocabulary()) if random_tokens is True else first + int(random_tokens)
+        if top > len(vocabulary()):
+            raise ValueError(f"copy_random:{random_tokens}: at most "
+                             f"{len(vocabulary()) - first} tokens (punctuation and words)")
         ids = rng.integers(first, top, n).tolist()
     else:
         ids = token_ids(haystack.tokens(rng, n))
