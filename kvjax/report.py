@@ -46,15 +46,23 @@ def markdown_table(records: Iterable[dict], row, col, value, fmt: str = "{:.2f}"
     return "\n".join(lines)
 
 
-def plot_lines(records: Iterable[dict], series, x, y, path: str | Path, xlabel: str, ylabel: str,
-               title: str = "", logx: bool = False) -> Path | None:
-    """One line per `series(record)` of y against x; None when matplotlib is missing."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None when matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_lines(records: Iterable[dict], series, x, y, path: str | Path, xlabel: str, ylabel: str,
+               title: str = "", logx: bool = False) -> Path | None:
+    """One line per `series(record)` of y against x; None when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
         return None
     rows, cols, cells = pivot(records, series, x, y)
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -54,12 +54,8 @@ def col(layer) -> str:
 
 def histogram(by_task: dict, layers: list, path: Path) -> Path | None:
     """Grouped bars: samples per selection layer ("none": tau never crossed), one per task."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = report.pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     width, pos = 0.8 / len(by_task), np.arange(len(layers))

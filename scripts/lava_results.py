@@ -38,13 +38,7 @@ def run_scenario(a, scenario: str) -> Path:
 
 def heatmaps(a) -> list[str]:
     """LAVa's live slots [L, K] on the first sample of each task (question-aware)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        plt = None
+    plt = report.pyplot()
     from kvjax import api, engine, methods, tasks
 
     model = api.load(a.model)
