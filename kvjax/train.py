@@ -165,27 +165,63 @@ def copy_example(context_length: int, rng: np.random.Generator, random_tokens: i
     `random_tokens` (task `copy_random`, or `copy_random:N` for the first N): the haystack is
     uniform over the punctuation marks and words instead of generated text, so only the
     repeat is predictable and nothing but induction lowers the loss."""
-    from kvjax.tasks import haystack
-    from kvjax.tasks import vocab
-    from kvjax.tasks.tokenizer import BOS_ID, EOS_ID, token_ids, vocabulary
+    from kvjax.tasks.tokenizer import BOS_ID, EOS_ID
 
     span = copy_span(context_length)
-    n = context_length - span - 1
-    if random_tokens:
-        first = len(vocab.SPECIAL_TOKENS) + len(vocab.DIGITS)
-        top = len(vocabulary()) if random_tokens is True else first + int(random_tokens)
-        if top > len(vocabulary()):
-            raise ValueError(f"copy_random:{random_tokens}: at most "
-                             f"{len(vocabulary()) - first} tokens (punctuation and words)")
-        ids = rng.integers(first, top, n).tolist()
-    else:
-        ids = token_ids(haystack.tokens(rng, n))
-    counts = np.bincount(ids)
-    # a cue that occurs once, so that what follows it is unambiguous
-    last = len(ids) - span  # the copied tokens lie inside the haystack
-    cand = [i for i in range(last) if counts[ids[i]] == 1]
-    s = int(rng.choice(cand)) if cand else int(rng.integers(0, last))
+    ids = _haystack(context_length - span - 1, rng, random_tokens)
+    (s,) = _unique_cues(ids, 1, len(ids) - span, rng)
     return [BOS_ID, *ids, ids[s]], [*ids[s + 1: s + span], EOS_ID]
+
+
+RECALL_SPAN = 3
+
+
+def recall_example(context_length: int, rng: np.random.Generator, random_tokens: int | bool = False
+                   ) -> tuple[list[int], list[int], list[int]]:
+    """`copy_example` with many lookups per sequence (task `recall`, `recall_random[:N]`):
+    the haystack, then several of its tokens, each followed by the `RECALL_SPAN` tokens that
+    followed it there. A copy pays one long-range lookup per `copy_span` targets, the rest
+    being the next step of a copy already found; the tasks' answers start with such a
+    lookup, and here every fourth token is one. Returns (prompt, target, target mask): the
+    cues inside the target are inputs, not predictions (they are drawn at random)."""
+    from kvjax.tasks.tokenizer import BOS_ID
+
+    q = max(context_length // 32, 2)  # one lookup per 32 tokens: 64 at 2048
+    ids = _haystack(context_length - q * (RECALL_SPAN + 1), rng, random_tokens)
+    seq, mask = [], []
+    for s in _unique_cues(ids, q, len(ids) - RECALL_SPAN, rng):
+        seq += [ids[s], *ids[s + 1: s + 1 + RECALL_SPAN]]
+        mask += [0] + [1] * RECALL_SPAN
+    return [BOS_ID, *ids, seq[0]], seq[1:], mask[1:]
+
+
+def _haystack(n: int, rng: np.random.Generator, random_tokens: int | bool) -> list[int]:
+    """`n` token ids: generated text, or uniform over the first `random_tokens` ids after
+    the digits (all punctuation marks and words when True)."""
+    from kvjax.tasks import haystack
+    from kvjax.tasks import vocab
+    from kvjax.tasks.tokenizer import token_ids, vocabulary
+
+    if not random_tokens:
+        return token_ids(haystack.tokens(rng, n))
+    first = len(vocab.SPECIAL_TOKENS) + len(vocab.DIGITS)
+    top = len(vocabulary()) if random_tokens is True else first + int(random_tokens)
+    if top > len(vocabulary()):
+        raise ValueError(f"copy_random:{random_tokens}: at most "
+                         f"{len(vocabulary()) - first} tokens (punctuation and words)")
+    return rng.integers(first, top, n).tolist()
+
+
+def _unique_cues(ids: list[int], q: int, last: int, rng: np.random.Generator) -> list[int]:
+    """`q` distinct positions below `last` whose tokens occur once in `ids` (so that what
+    follows each is unambiguous), drawn one by one (the draws of the committed recipe's
+    `copy_example`, q = 1, stay as they were); any position where there are too few."""
+    counts = np.bincount(ids)
+    out: list[int] = []
+    for _ in range(q):
+        cand = [i for i in range(last) if counts[ids[i]] == 1 and i not in out]
+        out.append(int(rng.choice(cand)) if cand else int(rng.integers(0, last)))
+    return out
 
 
 def make_batch(tc: TrainConfig, step: int) -> dict:
@@ -200,25 +236,30 @@ def make_batch(tc: TrainConfig, step: int) -> dict:
     for _ in range(batch_size):
         name = names[rng.choice(len(names), p=w / w.sum())]
         kind, _, n_words = name.partition(":")
-        if kind in ("copy", "copy_random"):
-            prompt, target = copy_example(context, rng, int(n_words or 0) or kind == "copy_random")
+        base, _, rand = kind.partition("_")
+        random_tokens = int(n_words or 0) or rand == "random"
+        mask = None
+        if base == "copy" and rand in ("", "random"):
+            prompt, target = copy_example(context, rng, random_tokens)
+        elif base == "recall" and rand in ("", "random"):
+            prompt, target, mask = recall_example(context, rng, random_tokens)
         else:
             prompt, target = tasks.training_example(name, context, rng)
         # no next-token loss on random tokens: their only lesson would be a false unigram law
-        seqs.append((prompt, target, kind != "copy_random"))
-    T = max(len(p) + len(t) for p, t, _ in seqs) - 1
+        seqs.append((prompt, target, not rand, [1] * len(target) if mask is None else mask))
+    T = max(len(p) + len(t) for p, t, _, _ in seqs) - 1
     r = 32 if T > 64 else 8
     T = -(-T // r) * r  # few distinct shapes (few compilations), little padding
     batch = {k: np.zeros((batch_size, T), dt) for k, dt in
              (("inputs", np.int32), ("labels", np.int32), ("valid", bool),
               ("answer_mask", np.float32), ("context_mask", np.float32))}
-    for i, (p, t, lm) in enumerate(seqs):
+    for i, (p, t, lm, mask) in enumerate(seqs):
         seq = np.array(p + t, np.int32)
         n = len(seq) - 1
         batch["inputs"][i, :n] = seq[:-1]
         batch["labels"][i, :n] = seq[1:]
         batch["valid"][i, :n] = True
-        batch["answer_mask"][i, len(p) - 1: n] = 1  # predict every target token
+        batch["answer_mask"][i, len(p) - 1: n] = mask  # predict the target tokens
         batch["context_mask"][i, : len(p) - 1] = lm
     return batch
 

@@ -83,6 +83,34 @@ def test_copy_example_targets_follow_a_unique_cue():
         assert body[i + 1: i + span] == target[:-1]
 
 
+def test_recall_example_cues_are_inputs_and_their_followers_targets():
+    for seed, random_tokens in itertools.product(range(5), (False, True)):
+        prompt, target, mask = train.recall_example(256, np.random.default_rng(seed), random_tokens)
+        assert len(prompt) + len(target) == 257 and len(mask) == len(target)
+        seq = prompt[-1:] + target  # cue, 3 followers, cue, ...
+        q = 256 // 32
+        assert len(seq) == q * (train.RECALL_SPAN + 1) and sum(mask) == q * train.RECALL_SPAN
+        body, cues = prompt[1:-1], seq[:: train.RECALL_SPAN + 1]
+        assert len(set(cues)) == q and all(m == 0 for m in mask[train.RECALL_SPAN:: 4])
+        for j, cue in enumerate(cues):
+            assert body.count(cue) == 1
+            i = body.index(cue)
+            assert seq[4 * j + 1: 4 * j + 4] == body[i + 1: i + 4]
+
+
+def test_recall_in_a_batch_predicts_only_the_followers(tmp_path):
+    cfg = {**CONFIG, "train": {**CONFIG["train"], "curriculum": [[0, 64, 4, {"recall_random": 1}]]}}
+    p = tmp_path / "recall.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    _, tc, _ = train.load_configs(p)
+    b = train.make_batch(tc, 0)
+    assert b["inputs"].shape == (4, 64) and not b["context_mask"].any()
+    for i in range(4):
+        ans = np.flatnonzero(b["answer_mask"][i])
+        assert len(ans) == 2 * train.RECALL_SPAN  # two cues at 64 tokens, 3 followers each
+        assert set(b["labels"][i, ans]) <= set(b["inputs"][i, : ans[0]])
+
+
 def test_a_stage_with_its_own_tasks_replaces_the_mixture(tmp_path):
     cfg = {**CONFIG, "train": {**CONFIG["train"], "curriculum": [
         [0, 32, 8, {"copy_random": 1}], [2, 128, 4]]}}
