@@ -163,6 +163,19 @@ def test_bad_input(params):
         engine.Sampling(1.0, 0.0)
 
 
+def test_compression_beyond_a_sliding_window_is_refused(params):
+    import dataclasses
+
+    from kvjax import methods
+
+    cfg = dataclasses.replace(CFG, sliding_window=32)
+    snap = methods.create("snapkv", budget=16, window=4)
+    with pytest.raises(ValueError, match="exceeds the model's sliding_window=32.*'snapkv'"):
+        engine.run(params, cfg, [_prompt(40)], snap, max_new_tokens=2)
+    engine.run(params, cfg, [_prompt(40)], max_new_tokens=2)  # full runs beyond it
+    engine.run(params, cfg, [_prompt(30)], snap, max_new_tokens=2)  # and snapkv inside it
+
+
 def test_cache_append_and_keep():
     c = kvcache.init(CFG, batch=2, capacity=5)
     for t in range(4):
