@@ -195,6 +195,23 @@ def recall_example(context_length: int, rng: np.random.Generator, random_tokens:
     return [BOS_ID, *ids, seq[0]], seq[1:], mask[1:]
 
 
+def repeat_example(context_length: int, rng: np.random.Generator, random_tokens: int | bool = False
+                   ) -> tuple[list[int], list[int], list[int]]:
+    """Induction's textbook task (task `repeat`, `repeat_random[:N]`; Olsson et al. 2022): a
+    segment of m tokens, m drawn from [context/8, context/2] per example, repeated until the
+    context is full; every token after the first segment is a target. Each bigram recurs
+    several times and reliably, the data property that makes induction heads form soonest
+    (Aoyama et al. 2025), and with m varying no fixed offset does the job. Returns (prompt,
+    target, target mask) as `recall_example`."""
+    from kvjax.tasks.tokenizer import BOS_ID
+
+    m = int(rng.integers(max(context_length // 8, 2), context_length // 2 + 1))
+    seg = _haystack(m, rng, random_tokens)
+    seq = (seg * (-(-context_length // m)))[:context_length]
+    # the first repeated token follows nothing seen before: not a target
+    return [BOS_ID, *seg], seq[m:], [0] + [1] * (context_length - m - 1)
+
+
 def _haystack(n: int, rng: np.random.Generator, random_tokens: int | bool) -> list[int]:
     """`n` token ids: generated text, or uniform over the first `random_tokens` ids after
     the digits (all punctuation marks and words when True)."""
@@ -243,6 +260,8 @@ def make_batch(tc: TrainConfig, step: int) -> dict:
             prompt, target = copy_example(context, rng, random_tokens)
         elif base == "recall" and rand in ("", "random"):
             prompt, target, mask = recall_example(context, rng, random_tokens)
+        elif base == "repeat" and rand in ("", "random"):
+            prompt, target, mask = repeat_example(context, rng, random_tokens)
         else:
             prompt, target = tasks.training_example(name, context, rng)
         # no next-token loss on random tokens: their only lesson would be a false unigram law

@@ -98,6 +98,15 @@ def test_recall_example_cues_are_inputs_and_their_followers_targets():
             assert seq[4 * j + 1: 4 * j + 4] == body[i + 1: i + 4]
 
 
+def test_repeat_example_is_one_segment_repeated():
+    for seed, random_tokens in itertools.product(range(5), (False, True, 64)):
+        prompt, target, mask = train.repeat_example(96, np.random.default_rng(seed), random_tokens)
+        seq, m = prompt[1:] + target, len(prompt) - 1
+        assert len(seq) == 96 and 96 // 8 <= m <= 96 // 2 and len(mask) == len(target)
+        assert all(seq[i] == seq[i - m] for i in range(m, 96))
+        assert mask == [0] + [1] * (len(target) - 1)  # the wrap-around is not predictable
+
+
 def test_recall_in_a_batch_predicts_only_the_followers(tmp_path):
     cfg = {**CONFIG, "train": {**CONFIG["train"], "curriculum": [[0, 64, 4, {"recall_random": 1}]]}}
     p = tmp_path / "recall.yaml"
