@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     g.add_argument("--model", help="HF checkpoint directory")
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--batches", type=int, default=2)
+    p.add_argument("--tasks", help="comma-separated subset of the config's tasks (default: all)")
     a = p.parse_args(argv)
     cfg, tc, _ = train.load_configs(a.config)
     if a.model:
@@ -43,7 +44,13 @@ def main(argv=None) -> int:
         mngr = ocp.CheckpointManager(a.workdir.resolve() / "ckpt")
         cfg, params, _ = train.restore(mngr, a.step, cfg, tc)
     aux = jax.jit(lambda prm, b: train.loss_fn(prm, cfg, b, tc.lm_weight, False)[1])
-    for name, _ in tc.tasks:
+    names = [n for n, _ in tc.tasks]
+    if a.tasks:
+        bad = sorted(set(a.tasks.split(",")) - set(names))
+        if bad:
+            raise SystemExit(f"--tasks {bad}: not in the config's tasks {names}")
+        names = a.tasks.split(",")
+    for name in names:
         one = dataclasses.replace(tc, tasks=((name, 1.0),), curriculum=((0, a.context, 16),))
         acc = [float(aux(params, train.make_batch(one, 10_000 + i))["answer_token_acc"])
                for i in range(a.batches)]
