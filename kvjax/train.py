@@ -154,7 +154,7 @@ def copy_span(context_length: int) -> int:
     return min(max(context_length // 4, 8), 64)
 
 
-def copy_example(context_length: int, rng: np.random.Generator, random_tokens: int | bool = False
+def copy_example(context_length: int, rng: np.random.Generator, random_tokens: int | bool | str = False
                  ) -> tuple[list[int], list[int]]:
     """A training-only task that makes induction heads form early: a haystack, then one of
     its tokens again; the target is the `copy_span` tokens that followed it. Retrieval on
@@ -174,9 +174,10 @@ def copy_example(context_length: int, rng: np.random.Generator, random_tokens: i
 
 
 RECALL_SPAN = 3
+RANDOM_KINDS = ("", "random", "mixed")  # text, random words, random words and digits
 
 
-def recall_example(context_length: int, rng: np.random.Generator, random_tokens: int | bool = False
+def recall_example(context_length: int, rng: np.random.Generator, random_tokens: int | bool | str = False
                    ) -> tuple[list[int], list[int], list[int]]:
     """`copy_example` with many lookups per sequence (task `recall`, `recall_random[:N]`):
     the haystack, then several of its tokens, each followed by the `RECALL_SPAN` tokens that
@@ -195,7 +196,7 @@ def recall_example(context_length: int, rng: np.random.Generator, random_tokens:
     return [BOS_ID, *ids, seq[0]], seq[1:], mask[1:]
 
 
-def repeat_example(context_length: int, rng: np.random.Generator, random_tokens: int | bool = False
+def repeat_example(context_length: int, rng: np.random.Generator, random_tokens: int | bool | str = False
                    ) -> tuple[list[int], list[int], list[int]]:
     """Induction's textbook task (task `repeat`, `repeat_random[:N]`; Olsson et al. 2022): a
     segment of m tokens, m drawn from [context/8, context/2] per example, repeated until the
@@ -212,9 +213,12 @@ def repeat_example(context_length: int, rng: np.random.Generator, random_tokens:
     return [BOS_ID, *seg], seq[m:], [0] + [1] * (context_length - m - 1)
 
 
-def _haystack(n: int, rng: np.random.Generator, random_tokens: int | bool) -> list[int]:
+def _haystack(n: int, rng: np.random.Generator, random_tokens: int | bool | str) -> list[int]:
     """`n` token ids: generated text, or uniform over the first `random_tokens` ids after
-    the digits (all punctuation marks and words when True)."""
+    the digits (all punctuation marks and words when True), or (`"mixed"`, tasks
+    `*_mixed`) each a digit with probability 1/2, else any punctuation mark or word: the
+    tasks' values are digit strings, and digits that no random task shows end up with one
+    shared embedding (MODEL.md)."""
     from kvjax.tasks import haystack
     from kvjax.tasks import vocab
     from kvjax.tasks.tokenizer import token_ids, vocabulary
@@ -222,6 +226,11 @@ def _haystack(n: int, rng: np.random.Generator, random_tokens: int | bool) -> li
     if not random_tokens:
         return token_ids(haystack.tokens(rng, n))
     first = len(vocab.SPECIAL_TOKENS) + len(vocab.DIGITS)
+    if random_tokens == "mixed":
+        ids = rng.integers(first, len(vocabulary()), n)
+        digit = rng.random(n) < 0.5
+        ids[digit] = rng.integers(len(vocab.SPECIAL_TOKENS), first, int(digit.sum()))
+        return ids.tolist()
     top = len(vocabulary()) if random_tokens is True else first + int(random_tokens)
     if top > len(vocabulary()):
         raise ValueError(f"copy_random:{random_tokens}: at most "
@@ -254,13 +263,13 @@ def make_batch(tc: TrainConfig, step: int) -> dict:
         name = names[rng.choice(len(names), p=w / w.sum())]
         kind, _, n_words = name.partition(":")
         base, _, rand = kind.partition("_")
-        random_tokens = int(n_words or 0) or rand == "random"
+        random_tokens = "mixed" if rand == "mixed" else int(n_words or 0) or rand == "random"
         mask = None
-        if base == "copy" and rand in ("", "random"):
+        if base == "copy" and rand in RANDOM_KINDS:
             prompt, target = copy_example(context, rng, random_tokens)
-        elif base == "recall" and rand in ("", "random"):
+        elif base == "recall" and rand in RANDOM_KINDS:
             prompt, target, mask = recall_example(context, rng, random_tokens)
-        elif base == "repeat" and rand in ("", "random"):
+        elif base == "repeat" and rand in RANDOM_KINDS:
             prompt, target, mask = repeat_example(context, rng, random_tokens)
         else:
             prompt, target = tasks.training_example(name, context, rng)

@@ -107,6 +107,18 @@ def test_repeat_example_is_one_segment_repeated():
         assert mask == [0] + [1] * (len(target) - 1)  # the wrap-around is not predictable
 
 
+def test_mixed_random_tokens_are_half_digits(tmp_path):
+    cfg = {**CONFIG, "train": {**CONFIG["train"], "curriculum": [
+        [0, 128, 8, {"repeat_mixed": 1, "recall_mixed": 1, "copy_mixed": 1}]]}}
+    p = tmp_path / "mixed.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    _, tc, _ = train.load_configs(p)
+    b = train.make_batch(tc, 0)
+    ids = b["inputs"][:, 1:][b["valid"][:, 1:]]
+    assert ids.min() >= 4 and 0.4 < np.mean(ids < 14) < 0.6  # ids 4-13 are the digits
+    assert not b["context_mask"].any()  # random tokens: no next-token loss
+
+
 def test_recall_in_a_batch_predicts_only_the_followers(tmp_path):
     cfg = {**CONFIG, "train": {**CONFIG["train"], "curriculum": [[0, 64, 4, {"recall_random": 1}]]}}
     p = tmp_path / "recall.yaml"
