@@ -154,7 +154,8 @@ def copy_span(context_length: int) -> int:
     return min(max(context_length // 4, 8), 64)
 
 
-def copy_example(context_length: int, rng: np.random.Generator, random_tokens: int | bool | str = False
+def copy_example(context_length: int, rng: np.random.Generator,
+                 random_tokens: int | bool | str = False
                  ) -> tuple[list[int], list[int]]:
     """A training-only task that makes induction heads form early: a haystack, then one of
     its tokens again; the target is the `copy_span` tokens that followed it. Retrieval on
@@ -177,7 +178,8 @@ RECALL_SPAN = 3
 RANDOM_KINDS = ("", "random", "mixed")  # text, random words, random words and digits
 
 
-def recall_example(context_length: int, rng: np.random.Generator, random_tokens: int | bool | str = False
+def recall_example(context_length: int, rng: np.random.Generator,
+                   random_tokens: int | bool | str = False
                    ) -> tuple[list[int], list[int], list[int]]:
     """`copy_example` with many lookups per sequence (task `recall`, `recall_random[:N]`):
     the haystack, then several of its tokens, each followed by the `RECALL_SPAN` tokens that
@@ -196,7 +198,8 @@ def recall_example(context_length: int, rng: np.random.Generator, random_tokens:
     return [BOS_ID, *ids, seq[0]], seq[1:], mask[1:]
 
 
-def repeat_example(context_length: int, rng: np.random.Generator, random_tokens: int | bool | str = False
+def repeat_example(context_length: int, rng: np.random.Generator,
+                   random_tokens: int | bool | str = False
                    ) -> tuple[list[int], list[int], list[int]]:
     """Induction's textbook task (task `repeat`, `repeat_random[:N]`; Olsson et al. 2022): a
     segment of m tokens, m drawn from [context/8, context/2] per example, repeated until the
@@ -263,18 +266,19 @@ def make_batch(tc: TrainConfig, step: int) -> dict:
         name = names[rng.choice(len(names), p=w / w.sum())]
         kind, _, n_words = name.partition(":")
         base, _, rand = kind.partition("_")
-        random_tokens = "mixed" if rand == "mixed" else int(n_words or 0) or rand == "random"
-        mask = None
-        if base == "copy" and rand in RANDOM_KINDS:
-            prompt, target = copy_example(context, rng, random_tokens)
-        elif base == "recall" and rand in RANDOM_KINDS:
-            prompt, target, mask = recall_example(context, rng, random_tokens)
-        elif base == "repeat" and rand in RANDOM_KINDS:
-            prompt, target, mask = repeat_example(context, rng, random_tokens)
+        mask, lm = None, True
+        if base in ("copy", "recall", "repeat") and rand in RANDOM_KINDS:
+            random_tokens = "mixed" if rand == "mixed" else int(n_words or 0) or rand == "random"
+            # no next-token loss on random tokens: their only lesson is a false unigram law
+            lm = not rand
+            if base == "copy":
+                prompt, target = copy_example(context, rng, random_tokens)
+            else:
+                example = recall_example if base == "recall" else repeat_example
+                prompt, target, mask = example(context, rng, random_tokens)
         else:
             prompt, target = tasks.training_example(name, context, rng)
-        # no next-token loss on random tokens: their only lesson would be a false unigram law
-        seqs.append((prompt, target, not rand, [1] * len(target) if mask is None else mask))
+        seqs.append((prompt, target, lm, [1] * len(target) if mask is None else mask))
     T = max(len(p) + len(t) for p, t, _, _ in seqs) - 1
     r = 32 if T > 64 else 8
     T = -(-T // r) * r  # few distinct shapes (few compilations), little padding

@@ -119,6 +119,18 @@ def test_mixed_random_tokens_are_half_digits(tmp_path):
     assert not b["context_mask"].any()  # random tokens: no next-token loss
 
 
+def test_only_random_tokens_go_without_next_token_loss(tmp_path):
+    """Task names have underscores too (niah_single): only the random copy/recall/repeat
+    kinds drop the context loss (a bug once dropped it for every task)."""
+    for name, lm in (("niah_single", True), ("kv_retrieval", True), ("copy", True),
+                     ("recall", True), ("copy_random", False), ("repeat_mixed", False)):
+        cfg = {**CONFIG, "train": {**CONFIG["train"], "curriculum": [[0, 128, 2, {name: 1}]]}}
+        p = tmp_path / "lm.yaml"
+        p.write_text(yaml.safe_dump(cfg))
+        _, tc, _ = train.load_configs(p)
+        assert train.make_batch(tc, 0)["context_mask"].any() == lm, name
+
+
 def test_recall_in_a_batch_predicts_only_the_followers(tmp_path):
     cfg = {**CONFIG, "train": {**CONFIG["train"], "curriculum": [[0, 64, 4, {"recall_random": 1}]]}}
     p = tmp_path / "recall.yaml"
