@@ -35,6 +35,14 @@ def _leaves_equal(a, b):
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def _staged(tmp_path, *curriculum):
+    """The TrainConfig of CONFIG with this curriculum."""
+    p = tmp_path / "staged.yaml"
+    p.write_text(yaml.safe_dump(
+        {**CONFIG, "train": {**CONFIG["train"], "curriculum": list(curriculum)}}))
+    return train.load_configs(p)[1]
+
+
 def test_loss_decreases_and_resume_is_identical(config_path, tmp_path):
     full = train.train(config_path, tmp_path / "a", log_every=1)
     losses = [r["loss"] for r in full["log"]]
@@ -108,11 +116,7 @@ def test_repeat_example_is_one_segment_repeated():
 
 
 def test_mixed_random_tokens_are_half_digits(tmp_path):
-    cfg = {**CONFIG, "train": {**CONFIG["train"], "curriculum": [
-        [0, 128, 8, {"repeat_mixed": 1, "recall_mixed": 1, "copy_mixed": 1}]]}}
-    p = tmp_path / "mixed.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    _, tc, _ = train.load_configs(p)
+    tc = _staged(tmp_path, [0, 128, 8, {"repeat_mixed": 1, "recall_mixed": 1, "copy_mixed": 1}])
     b = train.make_batch(tc, 0)
     ids = b["inputs"][:, 1:][b["valid"][:, 1:]]
     assert ids.min() >= 4 and 0.4 < np.mean(ids < 14) < 0.6  # ids 4-13 are the digits
@@ -124,18 +128,12 @@ def test_only_random_tokens_go_without_next_token_loss(tmp_path):
     kinds drop the context loss (a bug once dropped it for every task)."""
     for name, lm in (("niah_single", True), ("kv_retrieval", True), ("copy", True),
                      ("recall", True), ("copy_random", False), ("repeat_mixed", False)):
-        cfg = {**CONFIG, "train": {**CONFIG["train"], "curriculum": [[0, 128, 2, {name: 1}]]}}
-        p = tmp_path / "lm.yaml"
-        p.write_text(yaml.safe_dump(cfg))
-        _, tc, _ = train.load_configs(p)
+        tc = _staged(tmp_path, [0, 128, 2, {name: 1}])
         assert train.make_batch(tc, 0)["context_mask"].any() == lm, name
 
 
 def test_recall_in_a_batch_predicts_only_the_followers(tmp_path):
-    cfg = {**CONFIG, "train": {**CONFIG["train"], "curriculum": [[0, 64, 4, {"recall_random": 1}]]}}
-    p = tmp_path / "recall.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    _, tc, _ = train.load_configs(p)
+    tc = _staged(tmp_path, [0, 64, 4, {"recall_random": 1}])
     b = train.make_batch(tc, 0)
     assert b["inputs"].shape == (4, 64) and not b["context_mask"].any()
     for i in range(4):
@@ -145,11 +143,7 @@ def test_recall_in_a_batch_predicts_only_the_followers(tmp_path):
 
 
 def test_a_stage_with_its_own_tasks_replaces_the_mixture(tmp_path):
-    cfg = {**CONFIG, "train": {**CONFIG["train"], "curriculum": [
-        [0, 32, 8, {"copy_random": 1}], [2, 128, 4]]}}
-    p = tmp_path / "staged.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    _, tc, _ = train.load_configs(p)
+    tc = _staged(tmp_path, [0, 32, 8, {"copy_random": 1}], [2, 128, 4])
     assert tc.mixture(1) == (("copy_random", 1.0),) and tc.stage(1) == (32, 8)
     assert tc.mixture(2) == tc.tasks and tc.stage(2) == (128, 4)
     b = train.make_batch(tc, 0)
@@ -198,10 +192,7 @@ def test_growth_schedule_must_end_at_the_model_depth(tmp_path):
 
 
 def test_copy_random_over_the_first_n_tokens(tmp_path):
-    cfg = {**CONFIG, "train": {**CONFIG["train"], "curriculum": [[0, 24, 16, {"copy_random:8": 1}]]}}
-    p = tmp_path / "words.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    _, tc, _ = train.load_configs(p)
+    tc = _staged(tmp_path, [0, 24, 16, {"copy_random:8": 1}])
     b = train.make_batch(tc, 0)
     ids = b["inputs"][:, 1:][b["valid"][:, 1:]]
     assert set(ids.tolist()) <= set(range(14, 22)) and b["inputs"].shape == (16, 24)
