@@ -44,8 +44,8 @@ class TrainConfig:
     tasks: tuple = (("niah_single", 1.0),)
     checkpoint_every: int = 100
     # (from step, layers): progressive stacking. The model starts shallow (induction forms
-    # in a 2-layer model within a few hundred steps on this CPU; a 12-layer one at lr 3e-3
-    # had not after 1000, MODEL.md) and is deepened by `grow`; the last is the model's depth
+    # in a 2-layer model on repeated random segments within a few hundred steps on this
+    # CPU, MODEL.md) and is deepened by `grow`; the last is the model's depth
     layers: tuple = ()
     remat_from: int = 1024  # rematerialise layers from this context on (below, memory is
     # plentiful and remat only costs a third more compute)
@@ -245,11 +245,11 @@ def _unique_cues(ids: list[int], q: int, last: int, rng: np.random.Generator) ->
     """`q` distinct positions below `last` whose tokens occur once in `ids` (so that what
     follows each is unambiguous), drawn one by one (the draws of the committed recipe's
     `copy_example`, q = 1, stay as they were); any position where there are too few."""
-    counts = np.bincount(ids)
+    cand = np.flatnonzero(np.bincount(ids)[np.asarray(ids[:last], np.int64)] == 1)
     out: list[int] = []
     for _ in range(q):
-        cand = [i for i in range(last) if counts[ids[i]] == 1 and i not in out]
-        out.append(int(rng.choice(cand)) if cand else int(rng.integers(0, last)))
+        out.append(int(rng.choice(cand)) if len(cand) else int(rng.integers(0, last)))
+        cand = cand[cand != out[-1]]
     return out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 from jax import monitoring
 
 from kvjax import cache as kvcache
-from kvjax import engine
+from kvjax import engine, methods
 from kvjax.config import ModelConfig
 from kvjax.methods import Method
 from kvjax.models import attention
@@ -164,10 +166,6 @@ def test_bad_input(params):
 
 
 def test_compression_beyond_a_sliding_window_is_refused(params):
-    import dataclasses
-
-    from kvjax import methods
-
     cfg = dataclasses.replace(CFG, sliding_window=32)
     snap = methods.create("snapkv", budget=16, window=4)
     with pytest.raises(ValueError, match="exceeds the model's sliding_window=32.*'snapkv'"):
