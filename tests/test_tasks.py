@@ -57,9 +57,20 @@ def test_exact_length_and_format(name, length):
         assert tk.UNK_ID not in ids
         assert s.prompt == s.context + " " + s.question
         assert enc(s.context) + enc(s.question) == ids  # context-only scenario
-        assert s.question.endswith("? answer:")
+        assert "? answer:" in s.question
         assert s.max_new_tokens == len(enc(s.target)) + 1
         assert s.task == name and isinstance(s.answer, list) and s.answer
+
+
+@pytest.mark.parametrize("name", ["niah_single", "niah_multikey", "kv_retrieval", "passkey"])
+def test_answer_prefix_continues_into_the_needle(name):
+    # RULER / Lost-in-the-Middle answer prefixes: what follows "answer:" plus the target is a
+    # span of the context, and only the queried needle's.
+    for s in tasks.generate(name, context_length=512, n=4, seed=3):
+        prefix = s.question.split("? answer:")[1].split()
+        span, context = enc(" ".join(prefix) + " " + s.target), enc(s.context)
+        hits = [i for i in range(len(context)) if context[i:i + len(span)] == span]
+        assert len(hits) == 1, (name, s.question, s.target)
 
 
 @settings(max_examples=25, deadline=None)

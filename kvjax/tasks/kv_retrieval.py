@@ -1,7 +1,10 @@
 """kv_retrieval: a dictionary of random key-value pairs fills the whole context.
 
 Context:  "1234-5678: 8765-4321; 2211-9034: 5510-7723; ..."
-Question: "what is the value for key 2211-9034? answer:"    target: "5510-7723"
+Question: "what is the value for key 2211-9034? answer: 2211-9034:"    target: "5510-7723"
+
+The answer prefix restates the key in the dictionary's own form, as the kv-retrieval prompt
+of Lost in the Middle (Liu et al., 2023) does ('Key: "K" Corresponding value:').
 
 The hard case for KV-cache compression (ASL / RULER's UUID variant): every pair looks alike,
 there is no redundant filler to drop, and the key to find is only known from the question.
@@ -29,7 +32,7 @@ class KVRetrieval(Task):
 
     def build(self, rng: np.random.Generator, context_length: int, depth: float | None) -> Built:
         pair_len = 9 + 1 + 9 + 1
-        question_len = 6 + 9 + 3
+        question_len = 6 + 9 + 3 + 9 + 1
         budget = context_length - 1 - question_len
         n_pairs = budget // pair_len
         if n_pairs < MIN_PAIRS:
@@ -41,7 +44,7 @@ class KVRetrieval(Task):
         want = depth * (budget - pair_len) - len(pad)
         q = int(min(max(round(want / pair_len), 0), n_pairs - 1))
         key, value = half(numbers[2 * q]), half(numbers[2 * q + 1])
-        question = ["what", "is", "the", "value", "for", "key", *key, "?", "answer", ":"]
+        question = ["what", "is", "the", "value", "for", "key", *key, "?", "answer", ":", *key, ":"]
         assert len(question) == question_len
         context = pad + [t for p in pairs for t in p]
         start = len(pad) + q * pair_len

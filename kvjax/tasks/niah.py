@@ -1,7 +1,11 @@
 """Needle-in-a-haystack tasks (RULER's niah_* family) and the classic passkey.
 
 Needle:   "the special magic number for KEY is 4821990."   (KEY: one word of data/keys.txt)
-Question: "what is the special magic number for KEY? answer:"
+Question: "what is the special magic number for KEY? answer: the special magic number for KEY is"
+
+The question ends with RULER's answer prefix (its synthetic.yaml templates restate the query:
+"... The special magic number for KEY mentioned in the provided text is"), so that the answer
+is the continuation of the needle, as in RULER and in Landmark Attention's passkey.
 
 - niah_single: one needle.
 - niah_multikey: the needle plus 3 distractor needles with other keys.
@@ -58,10 +62,14 @@ class Niah(Task):
     def question(self, keys: list[str]) -> list[str]:
         if self.n_queries > 1:
             named = join_items([[k] for k in keys[:-1]]) + ["and", keys[-1]]
-            return "what are the special magic numbers for".split() + named + ["?", "answer", ":"]
-        if self.n_values > 1:
-            return "what are all the special magic numbers for".split() + [keys[0], "?", "answer", ":"]
-        return "what is the special magic number for".split() + [keys[0], "?", "answer", ":"]
+            ask, prefix = "what are the", "the special magic numbers for"
+        else:
+            named = keys[:1]
+            ask = "what are all the" if self.n_values > 1 else "what is the"
+            prefix = "the special magic numbers for" if self.n_values > 1 else "the special magic number for"
+        verb = "are" if self.n_queries > 1 or self.n_values > 1 else "is"
+        noun = prefix.split()[1:]  # "special magic number(s) for"
+        return [*ask.split(), *noun, *named, "?", "answer", ":", *prefix.split(), *named, verb]
 
     def build(self, rng: np.random.Generator, context_length: int, depth: float | None) -> Built:
         keys = choose(rng, vocab.keys(), self.n_keys)
@@ -108,7 +116,7 @@ class Passkey(Task):
         value = distinct_numbers(rng, 1, PASSKEY_DIGITS)[0]
         v = spell(value)
         pk = ["the", "pass", "key", "is", *v, ".", "remember", "it", ".", *v, "is", "the", "pass", "key", "."]
-        question = ["what", "is", "the", "pass", "key", "?", "answer", ":"]
+        question = "what is the pass key ? answer : the pass key is".split()
         needed = 1 + len(question) + len(PASSKEY_INTRO) + len(pk) + MIN_HAYSTACK
         if context_length < needed:
             raise too_small(self.name, context_length, needed)
