@@ -155,7 +155,7 @@ def copy_span(context_length: int) -> int:
 
 
 def copy_example(context_length: int, rng: np.random.Generator,
-                 random_tokens: int | bool | str = False
+                 random_tokens: int | bool | float = False
                  ) -> tuple[list[int], list[int]]:
     """A training-only task that makes induction heads form early: a haystack, then one of
     its tokens again; the target is the `copy_span` tokens that followed it. Retrieval on
@@ -179,7 +179,7 @@ RANDOM_KINDS = ("", "random", "mixed")  # text, random words, random words and d
 
 
 def recall_example(context_length: int, rng: np.random.Generator,
-                   random_tokens: int | bool | str = False
+                   random_tokens: int | bool | float = False
                    ) -> tuple[list[int], list[int], list[int]]:
     """`copy_example` with many lookups per sequence (task `recall`, `recall_random[:N]`):
     the haystack, then several of its tokens, each followed by the `RECALL_SPAN` tokens that
@@ -199,7 +199,7 @@ def recall_example(context_length: int, rng: np.random.Generator,
 
 
 def repeat_example(context_length: int, rng: np.random.Generator,
-                   random_tokens: int | bool | str = False
+                   random_tokens: int | bool | float = False
                    ) -> tuple[list[int], list[int], list[int]]:
     """Induction's textbook task (task `repeat`, `repeat_random[:N]`; Olsson et al. 2022): a
     segment of m tokens, m drawn from [context/8, context/2] per example, repeated until the
@@ -216,12 +216,12 @@ def repeat_example(context_length: int, rng: np.random.Generator,
     return [BOS_ID, *seg], seq[m:], [0] + [1] * (context_length - m - 1)
 
 
-def _haystack(n: int, rng: np.random.Generator, random_tokens: int | bool | str) -> list[int]:
+def _haystack(n: int, rng: np.random.Generator, random_tokens: int | bool | float) -> list[int]:
     """`n` token ids: generated text, or uniform over the first `random_tokens` ids after
-    the digits (all punctuation marks and words when True), or (`"mixed"`, tasks
-    `*_mixed`) each a digit with probability 1/2, else any punctuation mark or word: the
-    tasks' values are digit strings, and digits that no random task shows end up with one
-    shared embedding (MODEL.md)."""
+    the digits (all punctuation marks and words when True), or (a float p, tasks
+    `*_mixed[:p]`, p = 1/2 by default) each a digit with probability p, else any
+    punctuation mark or word: the tasks' values are digit strings, and digits that no
+    random task shows end up with one shared embedding (MODEL.md)."""
     from kvjax.tasks import haystack
     from kvjax.tasks import vocab
     from kvjax.tasks.tokenizer import token_ids, vocabulary
@@ -229,9 +229,11 @@ def _haystack(n: int, rng: np.random.Generator, random_tokens: int | bool | str)
     if not random_tokens:
         return token_ids(haystack.tokens(rng, n))
     first = len(vocab.SPECIAL_TOKENS) + len(vocab.DIGITS)
-    if random_tokens == "mixed":
+    if isinstance(random_tokens, float):
+        if not 0.0 < random_tokens <= 1.0:
+            raise ValueError(f"*_mixed:{random_tokens}: the digit probability must be in (0, 1]")
         ids = rng.integers(first, len(vocabulary()), n)
-        digit = rng.random(n) < 0.5
+        digit = rng.random(n) < random_tokens
         ids[digit] = rng.integers(len(vocab.SPECIAL_TOKENS), first, int(digit.sum()))
         return ids.tolist()
     top = len(vocabulary()) if random_tokens is True else first + int(random_tokens)
@@ -268,7 +270,8 @@ def make_batch(tc: TrainConfig, step: int) -> dict:
         base, _, rand = kind.partition("_")
         mask, lm = None, True
         if base in ("copy", "recall", "repeat") and rand in RANDOM_KINDS:
-            random_tokens = "mixed" if rand == "mixed" else int(n_words or 0) or rand == "random"
+            random_tokens = (float(n_words or 0.5) if rand == "mixed"
+                             else int(n_words or 0) or rand == "random")
             # no next-token loss on random tokens: their only lesson is a false unigram law
             lm = not rand
             if base == "copy":

@@ -115,12 +115,18 @@ def test_repeat_example_is_one_segment_repeated():
         assert mask == [0] + [1] * (len(target) - 1)  # the wrap-around is not predictable
 
 
-def test_mixed_random_tokens_are_half_digits(tmp_path):
-    tc = _staged(tmp_path, [0, 128, 8, {"repeat_mixed": 1, "recall_mixed": 1, "copy_mixed": 1}])
+@pytest.mark.parametrize("suffix, p", [("", 0.5), (":0.1", 0.1)])
+def test_mixed_random_tokens_are_digits_with_probability_p(tmp_path, suffix, p):
+    tc = _staged(tmp_path, [0, 128, 8, {f"{k}_mixed{suffix}": 1 for k in ("repeat", "recall", "copy")}])
     b = train.make_batch(tc, 0)
     ids = b["inputs"][:, 1:][b["valid"][:, 1:]]
-    assert ids.min() >= 4 and 0.4 < np.mean(ids < 14) < 0.6  # ids 4-13 are the digits
+    assert ids.min() >= 4 and abs(np.mean(ids < 14) - p) < 0.1  # ids 4-13 are the digits
     assert not b["context_mask"].any()  # random tokens: no next-token loss
+
+
+def test_mixed_digit_probability_out_of_range_is_refused():
+    with pytest.raises(ValueError, match=r"_mixed:1.5: the digit probability must be in \(0, 1\]"):
+        train.copy_example(64, np.random.default_rng(0), 1.5)
 
 
 def test_only_random_tokens_go_without_next_token_loss(tmp_path):
