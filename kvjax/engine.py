@@ -223,13 +223,13 @@ def run(
             f"max_position_embeddings={cfg.max_position_embeddings}")
     for p in prompts:
         method.validate(len(p), cfg)
-    if method.name != "full" and cfg.sliding_window is not None and longest > cfg.sliding_window:
+    if not method.positional and cfg.sliding_window is not None and longest > cfg.sliding_window:
         # the model's attention would not see past its window, but the methods' scores
         # (window attention, cumulative sums, merges) see the whole causal prefix
         raise ValueError(
             f"prompt of {longest} tokens exceeds the model's sliding_window="
             f"{cfg.sliding_window}: method {method.name!r} scores the whole causal prefix; "
-            "only 'full' runs beyond the window")
+            "only methods that choose by position ('full', 'streaming_llm') run beyond it")
     stop_ids = tuple(cfg.eos_token_ids) if stop_ids is None else tuple(stop_ids)
     T = bucket(max(len(p) for p in prompts))
     tokens, valid = pad_left(prompts, T, cfg.pad_token_id)

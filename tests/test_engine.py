@@ -172,6 +172,12 @@ def test_compression_beyond_a_sliding_window_is_refused(params):
         engine.run(params, cfg, [_prompt(40)], snap, max_new_tokens=2)
     engine.run(params, cfg, [_prompt(40)], max_new_tokens=2)  # full runs beyond it
     engine.run(params, cfg, [_prompt(30)], snap, max_new_tokens=2)  # and snapkv inside it
+    # streaming_llm chooses by position: beyond the window it keeps the sinks and the
+    # most recent entries as anywhere else
+    stream = methods.create("streaming_llm", budget=16, n_sink=4)
+    c = engine.run(params, cfg, [_prompt(40)], stream, max_new_tokens=2).cache
+    live = np.asarray(c.pos[0, 0, 0])[np.asarray(c.valid[0, 0, 0])]
+    assert len(live) == 16 and {0, 1, 2, 3} <= set(live) and live.max() >= 39
 
 
 def test_cache_append_and_keep():

@@ -57,6 +57,8 @@ class Method:
 
     name: ClassVar[str] = "full"
     decode_layer: ClassVar[Any] = None
+    # chooses by position alone (no attention scores), so it is sound under a sliding window
+    positional: ClassVar[bool] = True
 
     def validate(self, n: int, cfg: ModelConfig) -> None:
         """Raise ValueError naming the bad value when this method cannot run on n tokens."""

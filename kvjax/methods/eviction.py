@@ -52,6 +52,7 @@ class PrefillEviction(Method):
     """Base: keep `budget` entries per (layer, KV head) after prefill, window included."""
 
     name: ClassVar[str] = "_prefill_eviction"
+    positional: ClassVar[bool] = False
     budget: int = 128
 
     # ---- checks -----------------------------------------------------------------------

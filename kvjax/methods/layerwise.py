@@ -79,6 +79,7 @@ class LayerwiseSelection(Method):
     """
 
     name: ClassVar[str] = "layerwise"
+    positional: ClassVar[bool] = False
     select_k: int = 2048
     window: int = 32
     kernel: int = 7

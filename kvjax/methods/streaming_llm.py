@@ -32,6 +32,7 @@ class StreamingLLM(DecodeEviction):
     every decoding step."""
 
     name: ClassVar[str] = "streaming_llm"
+    positional: ClassVar[bool] = True
     forced_what: ClassVar[str] = "the attention sinks"
     budget: int = 128
     n_sink: int = 4

@@ -83,6 +83,7 @@ class SlimInfer(Method):
     (paper schedule scaled to the model; see the module docstring for every default)."""
 
     name: ClassVar[str] = "sliminfer"
+    positional: ClassVar[bool] = False
     layers_of_32: tuple[int, ...] = (10, 20, 30)
     keep_of_32k: tuple[int, ...] = (8192, 4096, 2048)
     layers: tuple[int, ...] | None = None  # absolute pruning layers (overrides layers_of_32)
