@@ -17,7 +17,8 @@ bundled file still matches the bundled weights).
 NOTE: on the bundled `tiny-retrieval` (step 4100, MODEL.md; niah_single 95% at 1024 tokens
 with the full cache) the four query heads of layer 1 lead with reason scores 0.49 / 0.44 /
 0.43 / 0.39 (the second layer of the 2-layer part of its training, where induction
-formed), then layer 8 head 0 at 0.03. Recompute them (this script, ~15 s) whenever the model is re-exported;
+formed), then layer 8 head 0 at 0.03. Recompute them (this script, ~15 s) whenever the
+model is re-exported;
 `tests/test_headkv.py` fails while the file's weights hash differs from the bundled weights.
 """
 

@@ -16,8 +16,8 @@ mean over the group for the token scores (kvjax's SnapKV family).
 `head_scores`: None finds the file whose recorded config equals the model's; a model name or
 a path picks one. A model without scores fails in `validate` with the expected file.
 The bundled model's file (`kvjax/assets/head_scores/tiny-retrieval.json`) was computed on
-the shipped weights (MODEL.md): recompute it whenever the model is re-exported (`python scripts/headkv_scores.py`; a test
-checks the weights hash).
+the shipped weights (MODEL.md): recompute it whenever the model is re-exported
+(`python scripts/headkv_scores.py`; a test checks the weights hash).
 Budgets are static (host numpy from the file), so the cache has `max b_{l,h}` slots.
 """
 

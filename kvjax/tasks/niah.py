@@ -60,16 +60,14 @@ class Niah(Task):
         self.metric = metric
 
     def question(self, keys: list[str]) -> list[str]:
+        plural = self.n_queries > 1 or self.n_values > 1
+        noun = ["special", "magic", "numbers" if plural else "number", "for"]
         if self.n_queries > 1:
-            named = join_items([[k] for k in keys[:-1]]) + ["and", keys[-1]]
-            ask, prefix = "what are the", "the special magic numbers for"
+            named, ask = join_items([[k] for k in keys[:-1]]) + ["and", keys[-1]], "what are the"
         else:
-            named = keys[:1]
-            ask = "what are all the" if self.n_values > 1 else "what is the"
-            prefix = "the special magic numbers for" if self.n_values > 1 else "the special magic number for"
-        verb = "are" if self.n_queries > 1 or self.n_values > 1 else "is"
-        noun = prefix.split()[1:]  # "special magic number(s) for"
-        return [*ask.split(), *noun, *named, "?", "answer", ":", *prefix.split(), *named, verb]
+            named, ask = keys[:1], "what are all the" if plural else "what is the"
+        return [*ask.split(), *noun, *named, "?", "answer", ":",
+                "the", *noun, *named, "are" if plural else "is"]
 
     def build(self, rng: np.random.Generator, context_length: int, depth: float | None) -> Built:
         keys = choose(rng, vocab.keys(), self.n_keys)
