@@ -36,7 +36,7 @@ def run_method(a, method: str) -> Path:
     return report.run_once(a.out / f"asl_{method}.json", [
         "--model", a.model, "--method", method, "--budget", a.budgets, "--task", a.tasks,
         "--context", a.context, "--samples", str(a.samples), "--seed", str(a.seed),
-        "--details", "--no-progress"], ROOT)
+        "--details", "--no-progress", *(x for kv in a.set for x in ("--set", kv))], ROOT)
 
 
 def trained_steps(model: str):
@@ -141,7 +141,7 @@ def write_report(records: list[dict], a) -> str:
     parts = ["# ASL vs FastKV, GemFilter, SnapKV (issue 7)", "",
              f"Measured by `python scripts/asl_results.py --model {a.model} --samples {a.samples} "
              f"--seed {a.seed} --budgets {a.budgets} --context {a.context} --tasks {a.tasks} "
-             f"--methods {a.methods} --out {out}`"
+             f"--methods {a.methods}{''.join(f' --set {kv}' for kv in a.set)} --out {out}`"
              + (f"; model at trained step {steps}" if steps is not None else "")
              + ". Question-aware; budget = select_k = KV entries per (layer, KV head), window "
              "included (FastKV: its KV budget; it propagates `tsp_rate` of the prompt).", "",
@@ -163,6 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", default="128,256,512")
     p.add_argument("--tasks", default=TASKS)
     p.add_argument("--context", default="2048")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a hyperparameter for every method run (kvjax.run --set), e.g. l_obs=3")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     records = [r for m in a.methods.split(",") for r in report.load_records(run_method(a, m))]

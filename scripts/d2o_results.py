@@ -68,7 +68,8 @@ def kept(record: dict) -> float:
     return 1.0 if r is None else round(1 - r, 6)
 
 
-def perplexity(model, method, ids: list[int], prompt: int) -> float:
+def token_nll(model, method, ids: list[int], prompt: int) -> np.ndarray:
+    """-log p(ids[t] | ids[:t]) for t = prompt..T-1, decoding with the method's cache."""
     cfg, params = model.cfg, model.params
     T = len(ids)
     capacity = method.decode_capacity(method.cache_slots(prompt, cfg), 0, T - prompt)
@@ -83,7 +84,13 @@ def perplexity(model, method, ids: list[int], prompt: int) -> float:
             logits, cache, state = engine.extend(params, cache, jnp.array([[ids[t]]]),
                                                  jnp.ones((1, 1), bool), state, cfg=cfg,
                                                  method=method)
-    return float(np.exp(np.mean(nll)))
+    return np.array(nll)
+
+
+def spans(prompt: int, split: int, T: int) -> list[tuple[int, int]]:
+    """Token ranges the perplexity is reported over: all, then before/after `split` (the
+    longest context the model was trained on) when it falls inside."""
+    return [(prompt, T)] + ([(prompt, split), (split, T)] if prompt < split < T else [])
 
 
 def main() -> None:
@@ -94,6 +101,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--ppl-tokens", type=int, default=4608)
     p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--ppl-split", type=int, default=2048,
+                   help="also report perplexity before/after this position (trained length)")
     a = p.parse_args()
     a.methods = a.methods.split(",")
     a.ratios = [float(r) for r in a.ratios.split(",")]
@@ -112,15 +121,19 @@ def main() -> None:
             m = methods.create(name, **sets)
             if rho is not None:
                 m = m.with_budget(max(1, int(round(a.prompt * rho))))
-            ppl.append({"label": label, "rho": rho or 1.0,
-                        "ppl": perplexity(model, m, ids, a.prompt)})
-            print(ppl[-1], file=sys.stderr)
+            nll = token_nll(model, m, ids, a.prompt)
+            for lo, hi in spans(a.prompt, a.ppl_split, len(ids)):
+                ppl.append({"label": label, "rho": rho or 1.0, "span": f"{lo}-{hi}",
+                            "ppl": float(np.exp(nll[lo - a.prompt:hi - a.prompt].mean()))})
+                print(ppl[-1], file=sys.stderr)
 
     missing = [x for x in a.methods if split(x)[0] not in methods.names()]
     parts = ["# D2O: accuracy and long-text perplexity", "",
              f"Command: `python scripts/d2o_results.py --model {a.model} --samples {a.samples} "
-             f"--ratios {','.join(map(str, a.ratios))} --ppl-tokens {a.ppl_tokens} "
-             f"--prompt {a.prompt}`", ""]
+             f"--seed {a.seed} --methods {','.join(a.methods)} --tasks {a.tasks} "
+             f"--context {a.context} --ratios {','.join(map(str, a.ratios))} "
+             f"--ppl-tokens {a.ppl_tokens} --prompt {a.prompt} --ppl-split {a.ppl_split} "
+             f"--out {a.out}`", ""]
     if missing:
         parts += [f"Not run (not registered): {', '.join(missing)}", ""]
     if acc:
@@ -128,11 +141,15 @@ def main() -> None:
                   report.markdown_table(acc, lambda r: r["label"],
                                         lambda r: f"{r['task']} rho={kept(r)}",
                                         lambda r: r["accuracy"], row_name="method"), ""]
-    parts += [f"## Teacher-forced perplexity ({a.ppl_tokens} tokens, prompt {a.prompt})", "",
-              report.markdown_table(ppl, lambda r: r["label"], lambda r: f"rho={r['rho']}",
+    parts += [f"## Teacher-forced perplexity ({len(ids)} tokens, prompt {a.prompt})", "",
+              "Perplexity of the tokens in each span (positions `lo-hi`), the first `--prompt` "
+              "tokens prefilled with the method's cache at rho of the prompt:", "",
+              report.markdown_table(ppl, lambda r: r["label"],
+                                    lambda r: f"rho={r['rho']} {r['span']}",
                                     lambda r: r["ppl"], row_name="method"), ""]
+    whole = [r for r in ppl if r["span"] == f"{a.prompt}-{len(ids)}"]
     try:
-        report.plot_lines(ppl, lambda r: r["label"], lambda r: r["rho"], lambda r: r["ppl"],
+        report.plot_lines(whole, lambda r: r["label"], lambda r: r["rho"], lambda r: r["ppl"],
                           a.out / "d2o_ppl.png", "kept fraction rho", "perplexity")
         parts += ["![perplexity](d2o_ppl.png)", ""]
     except Exception as e:  # noqa: BLE001 (matplotlib absent)

@@ -6,7 +6,12 @@ Prints, per context and method: compile time (apart), median TTFT over `--repeat
 the ratio to `full` measured in this run, the selection layer each prompt used, and
 ASL's Appendix B prediction for that layer, `(L_sel+1)/L + (L-L_sel-1)/L * k/n` (attention
 and MLP work only; the measured ratio adds scoring and gathering overhead). Decode time
-per token with the compressed cache is printed beside it.
+per token with the compressed cache is printed beside it, and, for the methods that
+measure it (LAVa, CAKE: `peak_live_kv_bytes` from the prefill carry), the peak live KV
+during prefill and the live KV after it, as fractions of the full cache.
+
+    python -m kvjax.bench.prefill --contexts 1024,2048 --methods full,snapkv,ada_snapkv,cake,lava
+    python -m kvjax.bench.prefill --contexts 1024,2048 --methods cake,lava --set cascade=false
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ def main(argv=None) -> int:
     L = model.cfg.num_layers
     print(f"model={model.name} layers={L} device={jax.devices()[0].device_kind} jax={jax.__version__}")
     print(f"{'context':>7} {'method':>16} {'compile_s':>9} {'ttft_ms':>9} {'vs_full':>7} "
-          f"{'sel_layer':>9} {'appB_pred':>9} {'tpot_ms':>8} {'tpot_vs_full':>12}")
+          f"{'sel_layer':>9} {'appB_pred':>9} {'tpot_ms':>8} {'tpot_vs_full':>12} {'peak_kv':>7} "
+          f"{'live_kv':>7}")
     for n in contexts:
         s = tasks.generate(a.task, context_length=n, n=1, seed=0)[0]
         ids = model.encode(s.prompt) if model.tokenizer is not None else \
@@ -82,8 +88,13 @@ def main(argv=None) -> int:
             pred = predicted_ratio(sel, L, kk, n) if name != "full" else 1.0
             rel = f"{ttft / base[0]:7.3f}" if base else "      -"
             relt = f"{tpot / base[1]:12.3f}" if base else "           -"
+            st = runs[-1].stats
+            full = float(np.sum(st["kv_bytes_full"]))
+            peak = f"{np.sum(st['peak_live_kv_bytes']) / full:7.3f}" \
+                if "peak_live_kv_bytes" in st else "      -"
             print(f"{n:>7} {name:>16} {runs[0].stats['compile_s']:>9.2f} {ttft * 1e3:>9.1f} {rel} "
-                  f"{sel:>9} {pred:>9.3f} {tpot * 1e3:>8.2f} {relt}", flush=True)
+                  f"{sel:>9} {pred:>9.3f} {tpot * 1e3:>8.2f} {relt} {peak} "
+                  f"{np.sum(st['kv_bytes_live']) / full:7.3f}", flush=True)
     return 0
 
 
