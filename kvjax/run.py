@@ -192,6 +192,7 @@ def main(argv=None) -> int:
         for n in tasks.names():
             print(f"{n}\t{tasks.get(n).kind}")
         return 0
+    import jax
     from tqdm import tqdm
 
     import kvjax
@@ -218,7 +219,14 @@ def main(argv=None) -> int:
     total = len(runs) * args.samples
     t0 = time.perf_counter()
     with tqdm(total=total, disable=args.no_progress, unit="sample", file=sys.stderr) as pbar:
+        prev = None
         for (method, task, ctx), b, r in runs:
+            if method != prev:
+                # runs are ordered by (method, budget): the executables of the last one are
+                # done with. A long sweep kept them all and LLVM ran out of memory maps
+                # (vm.max_map_count) after ~110 compilations in one process.
+                jax.clear_caches()
+                prev = method
             pbar.set_description(f"{method.name} b={b if b is not None else r} {task} {ctx}")
             rec = evaluate(model, method, task, ctx, args, b, r, pbar)
             records.append(rec)
