@@ -395,3 +395,20 @@ def test_uniform_budgets(name):
     s = np.asarray(m.budgets(jnp.arange(L, dtype=jnp.float32)[:, None], jnp.array([N])))[:, 0]
     want = [N, N, 16, N] if name == "d2o_code" else [16] * L
     assert list(s) == want
+
+
+def test_decode_step_never_builds_slot_by_slot_similarities():
+    """A decode step evicts at most T entries per head, so U_t is [B, K, T, C]: no value
+    in the traced hook may be C x C (that made a step cost O(C^2 D): 0.85 s at C = 1024)."""
+    m = methods.create("d2o", budget=8)
+    B, K, G, C, D = 1, 2, 2, 40, 8
+    st_ = {"acc": jnp.zeros((1, B, K, C)), "tau": jnp.zeros((1, B, K)),
+           "budget": jnp.array([[10]]), "recent": jnp.array([[2]]),
+           "merges": jnp.zeros((1, B), jnp.int32), "discards": jnp.zeros((1, B), jnp.int32)}
+    io = LayerIO(jnp.int32(0), jnp.zeros((B, 1, K * G, D)), jnp.ones((B, K, C, D)),
+                 jnp.ones((B, K, C, D)), jnp.broadcast_to(jnp.arange(C), (B, K, C)),
+                 jnp.ones((B, K, C), bool), jnp.full((B, 1), C), jnp.zeros((B, 1, K * G, D)),
+                 jnp.zeros((B, 1, 4)), jnp.ones((B, 1), bool))
+    jaxpr = jax.make_jaxpr(m.decode_layer)(io, jnp.ones((B, K, G, 1, C)), st_).jaxpr
+    shapes = [v.aval.shape for eqn in jaxpr.eqns for v in eqn.outvars]
+    assert shapes and not [s for s in shapes if s[-2:] == (C, C)]

@@ -70,23 +70,38 @@ def cosine(a, b, eps: float = 1e-6):
     return jnp.einsum("...id,...jd->...ij", a, b)
 
 
-def merge(k, v, kept, gone, tau, kind: str, enabled: bool = True):
+def nearest(k, kept, src):
+    """Each source entry's most similar kept entry of the same head.
+
+    k [..., C, D]; kept [..., C]; src [..., E] slot indices. Returns (u [..., E, C]: cosine
+    of each source key with every kept key, -inf elsewhere; j [..., E]: the argmax;
+    maxsim [..., E])."""
+    ks = jnp.take_along_axis(k, src[..., None], axis=-2)
+    u = jnp.where(kept[..., None, :], cosine(ks, k), -jnp.inf)
+    return u, jnp.argmax(u, axis=-1), jnp.max(u, axis=-1)
+
+
+def merge(k, v, kept, gone, tau, kind: str, enabled: bool = True, src=None, near=None):
     """Merge the `gone` entries into their nearest `kept` entry of the same head.
 
     k, v [..., C, D]; kept, gone [..., C]; tau [...] (the threshold, broadcast per head).
-    Returns (k, v, merged [..., C] (which gone entries merged), maxsim [..., C]).
-    Every gone entry i has u_i = cos(k_i, k_j) over the kept j; it merges into
-    j* = argmax_j u_ij when max_j u_ij >= tau. Eq. 11-12 (softmax) or the code's mean.
+    `src` [..., E]: the slots that can be gone (None: all C; decoding passes the <= T
+    evicted ones, so a step costs O(T C D), not O(C^2 D)); `near`: `nearest(k, kept, src)`
+    when the caller has it. Returns (k, v, merged [..., C] (which gone entries merged),
+    maxsim [..., E]). Every gone entry i has u_i = cos(k_i, k_j) over the kept j; it merges
+    into j* = argmax_j u_ij when max_j u_ij >= tau. Eq. 11-12 (softmax) or the code's mean.
     """
-    u = cosine(k, k)  # [..., C(i), C(j)]
-    u = jnp.where(kept[..., None, :], u, -jnp.inf)
-    j = jnp.argmax(u, axis=-1)  # [..., C]
-    maxsim = jnp.max(u, axis=-1)
-    merged = gone & (maxsim >= tau[..., None]) & jnp.any(kept, axis=-1, keepdims=True)
+    C = k.shape[-2]
+    if src is None:
+        src = jnp.broadcast_to(jnp.arange(C), gone.shape)
+    u, j, maxsim = nearest(k, kept, src) if near is None else near
+    at_src = src[..., None] == jnp.arange(C)  # [..., E, C]
+    ok = (jnp.take_along_axis(gone, src, axis=-1) & (maxsim >= tau[..., None])
+          & jnp.any(kept, axis=-1, keepdims=True))
+    merged = jnp.any(at_src & ok[..., None], axis=-2)
     if not enabled:
         return k, v, jnp.zeros_like(merged), maxsim
-    C = k.shape[-2]
-    onehot = (j[..., None] == jnp.arange(C)) & merged[..., None]  # [..., i, j]
+    onehot = (j[..., None] == jnp.arange(C)) & ok[..., None]  # [..., E(i), C(j)]
     usel = jnp.where(onehot, u, 0.0)
     if kind == "softmax":
         w = jnp.where(onehot, jnp.exp(usel), 0.0)
@@ -99,8 +114,8 @@ def merge(k, v, kept, gone, tau, kind: str, enabled: bool = True):
 
     def apply(x):
         xf = x.astype(jnp.float32)
-        add = jnp.einsum("...ij,...id->...jd", w, xf)
-        new = (self_w * xf + add) / den[..., None]
+        xs = jnp.take_along_axis(xf, src[..., None], axis=-2)
+        new = (self_w * xf + jnp.einsum("...ij,...id->...jd", w, xs)) / den[..., None]
         return jnp.where(jnp.any(onehot, axis=-2)[..., None], new, xf).astype(x.dtype)
 
     return apply(k), apply(v), merged, maxsim
@@ -209,12 +224,13 @@ class D2O(DecodeEviction):
                 jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], idx].max(live)
             keep &= valid
             gone = valid & ~keep
-            _, _, _, maxsim = merge(k, v, keep, gone, jnp.zeros((B, K)), self.merge_kind)
+            src = jnp.broadcast_to(jnp.arange(T), gone.shape)
+            near = nearest(k, keep, src)
             ng = jnp.sum(gone, axis=-1)
-            tau = jnp.where(ng > 0, jnp.sum(jnp.where(gone, maxsim, 0.0), -1)
+            tau = jnp.where(ng > 0, jnp.sum(jnp.where(gone, near[2], 0.0), -1)
                             / jnp.maximum(ng, 1), 1.0)
             k2, v2, merged, _ = merge(k, v, keep, gone, tau, self.merge_kind,
-                                      self.merge and self.prefill_merge)
+                                      self.merge and self.prefill_merge, src, near)
             g = select.gather(k2, v2, pos, valid, idx, live)
             a = jnp.where(g[3], jnp.take_along_axis(acc, idx, axis=-1), 0.0)
             nm = jnp.sum(merged, axis=(-1, -2))
@@ -248,16 +264,20 @@ class D2O(DecodeEviction):
         evictable = io.valid & (io.pos >= self.sinks) & (io.pos <= top - m_B[:, None, None])
         live = jnp.sum(io.valid, axis=-1, dtype=jnp.int32)
         excess = jnp.maximum(live - s_B[:, None], 0)
-        gone = select.evict_lowest(acc, evictable, excess, io.q.shape[1])
+        T = min(io.q.shape[1], io.k.shape[-2])
+        gone = select.evict_lowest(acc, evictable, excess, T)
         kept = io.valid & ~gone
         tau_prev = take(st["tau"])
-        # U_t: similarities of this step's evicted entries with the kept ones
-        u = cosine(io.k, io.k)
-        u = jnp.where(kept[..., None, :] & gone[..., :, None], u, -jnp.inf)
-        umax = jnp.max(u, axis=(-1, -2))  # [B, K]
+        # at most T entries of a head go per step: their slots, then U_t (their
+        # similarities with the kept ones) -- [B, K, T, C], never [B, K, C, C]
+        src = jax.lax.top_k(gone.astype(jnp.int32), T)[1]  # [B, K, T]
+        near = nearest(io.k, kept, src)
+        gone_src = jnp.take_along_axis(gone, src, axis=-1)
+        umax = jnp.max(jnp.where(gone_src, near[2], -jnp.inf), axis=-1)  # [B, K]
         any_gone = jnp.any(gone, axis=-1)
         tau = jnp.where(any_gone, self.beta * umax + (1 - self.beta) * tau_prev, tau_prev)
-        k, v, merged, _ = merge(io.k, io.v, kept, gone, tau, self.merge_kind, self.merge)
+        k, v, merged, _ = merge(io.k, io.v, kept, gone, tau, self.merge_kind, self.merge,
+                                src, near)
         nm = jnp.sum(merged, axis=(-1, -2), dtype=jnp.int32)
         nd = jnp.sum(gone, axis=(-1, -2), dtype=jnp.int32) - nm
         st = {**st, "acc": put(st["acc"], jnp.where(gone, 0.0, acc)),
