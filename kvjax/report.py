@@ -21,9 +21,15 @@ def load_records(*paths: str | Path) -> list[dict]:
 
 def pivot(records: Iterable[dict], row: Callable[[dict], object], col: Callable[[dict], object],
           value: Callable[[dict], float]) -> tuple[list, list, dict]:
+    """(rows, columns, {(row, column): value}) in first-seen order. Two records in one cell
+    are refused: a table shows one measurement per cell, never whichever came last."""
     rows, cols, cells = [], [], {}
     for r in records:
         a, b = row(r), col(r)
+        if (a, b) in cells:
+            raise ValueError(f"two records for row {a!r}, column {b!r}: the table's row and "
+                             "column keys must tell every record apart (add the budget, "
+                             "context or scenario that differs)")
         rows += [a] if a not in rows else []
         cols += [b] if b not in cols else []
         cells[a, b] = value(r)

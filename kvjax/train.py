@@ -238,7 +238,7 @@ def _haystack(n: int, rng: np.random.Generator, random_tokens: int | bool | floa
         return ids.tolist()
     top = len(vocabulary()) if random_tokens is True else first + int(random_tokens)
     if top > len(vocabulary()):
-        raise ValueError(f"copy_random:{random_tokens}: at most "
+        raise ValueError(f"*_random:{random_tokens}: at most "
                          f"{len(vocabulary()) - first} tokens (punctuation and words)")
     return rng.integers(first, top, n).tolist()
 
