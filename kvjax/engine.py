@@ -172,8 +172,9 @@ class Generation:
 _EXECUTABLES: dict = {}
 
 
-def _compiled(fn, args: tuple, **static):
-    """AOT-compile `fn` once per (static args, argument shapes) and keep the executable.
+def compile_once(fn, args: tuple, **static):
+    """(executable, compile seconds): `fn` AOT-compiled once per (static args, argument
+    shapes); 0.0 seconds when an earlier call compiled it.
 
     Lowering and compiling explicitly lets the driver time compilation apart from the run;
     the cache makes a second call with the same shapes compile nothing.
@@ -181,11 +182,19 @@ def _compiled(fn, args: tuple, **static):
     leaves, tree = jax.tree.flatten(args)
     key = (fn, tuple(sorted(static.items())), tree,
            tuple((np.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves))
-    if key not in _EXECUTABLES:
-        t0 = time.perf_counter()
-        _EXECUTABLES[key] = (fn.lower(*args, **static).compile(), time.perf_counter() - t0)
-        return _EXECUTABLES[key][0], _EXECUTABLES[key][1]
-    return _EXECUTABLES[key][0], 0.0
+    if key in _EXECUTABLES:
+        return _EXECUTABLES[key], 0.0
+    t0 = time.perf_counter()
+    _EXECUTABLES[key] = fn.lower(*args, **static).compile()
+    return _EXECUTABLES[key], time.perf_counter() - t0
+
+
+def clear_compiled() -> None:
+    """Drop every executable `compile_once` and `jax.jit` hold. Each keeps its machine code
+    mapped: a sweep that compiled ~110 (method, budget) pairs in one process ran out of
+    memory maps (vm.max_map_count 65530; LLVM: "Cannot allocate memory", SIGSEGV)."""
+    _EXECUTABLES.clear()
+    jax.clear_caches()
 
 
 def _block(x):
@@ -238,7 +247,7 @@ def run(
     Tq = bucket(max(len(q) for q in questions), 1) if questions else 0
     capacity = method.decode_capacity(method.cache_slots(T, cfg), Tq, max_new_tokens)
 
-    pre, compile_s = _compiled(prefill, (params, tokens, valid), cfg=cfg, method=method,
+    pre, compile_s = compile_once(prefill, (params, tokens, valid), cfg=cfg, method=method,
                                capacity=capacity)
     t0 = time.perf_counter()
     logits, cache, state, stats = _block(pre(params, tokens, valid))
@@ -247,7 +256,7 @@ def run(
         qt, qv = pad_left(questions, Tq, cfg.pad_token_id)
         if batch_sharding is not None:
             qt, qv = jax.device_put((qt, qv), batch_sharding)
-        ext, c = _compiled(extend, (params, cache, qt, qv, state), cfg=cfg, method=method)
+        ext, c = compile_once(extend, (params, cache, qt, qv, state), cfg=cfg, method=method)
         compile_s += c
         t0 = time.perf_counter()
         logits, cache, state = _block(ext(params, cache, qt, qv, state))
@@ -266,7 +275,7 @@ def run(
             decode_s = dstats.pop("decode_s")
             stats = {**stats, **dstats}
         else:
-            dec, c = _compiled(decode, (params, cache, logits, rng, state), cfg=cfg,
+            dec, c = compile_once(decode, (params, cache, logits, rng, state), cfg=cfg,
                                method=method, max_new=max_new_tokens, sampling=sampling,
                                stop_ids=stop_ids)
             compile_s += c

@@ -192,11 +192,10 @@ def main(argv=None) -> int:
         for n in tasks.names():
             print(f"{n}\t{tasks.get(n).kind}")
         return 0
-    import jax
     from tqdm import tqdm
 
     import kvjax
-    from kvjax import tasks
+    from kvjax import engine, tasks
 
     for name in args.method:
         methods.get(name)  # unknown names fail before any work
@@ -223,9 +222,8 @@ def main(argv=None) -> int:
         for (method, task, ctx), b, r in runs:
             if method != prev:
                 # runs are ordered by (method, budget): the executables of the last one are
-                # done with. A long sweep kept them all and LLVM ran out of memory maps
-                # (vm.max_map_count) after ~110 compilations in one process.
-                jax.clear_caches()
+                # done with
+                engine.clear_compiled()
                 prev = method
             pbar.set_description(f"{method.name} b={b if b is not None else r} {task} {ctx}")
             rec = evaluate(model, method, task, ctx, args, b, r, pbar)

@@ -89,6 +89,22 @@ def test_cli_run_writes_records(model_dir, tmp_path):
         assert r["kv_fraction"] == pytest.approx(1.0)
 
 
+def test_cli_drops_executables_between_methods(model_dir, tmp_path, monkeypatch):
+    # a sweep keeps one (method, budget)'s executables at a time: all of them stay mapped
+    # otherwise, and ~110 compilations exhaust vm.max_map_count
+    from kvjax import engine
+
+    held, clear = [], engine.clear_compiled
+    monkeypatch.setattr(engine, "clear_compiled",
+                        lambda: (held.append(len(engine._EXECUTABLES)), clear()))
+    rc = cli.main(["--model", str(model_dir), "--method", "full,streaming_llm", "--budget",
+                   "48,64", "--task", "passkey", "--context", "128", "--samples", "1",
+                   "--max-new-tokens", "2", "--output", str(tmp_path / "r.json"),
+                   "--no-progress"])
+    assert rc == 0
+    assert len(held) == 3 and held[1] > 0 and held[2] > 0  # full, then each budget
+
+
 def test_output_json_is_strict():
     """ASL's relative variance is NaN at the layers it never scored: written as null."""
     out = cli._finite({"rv": [float("nan"), 0.5, (float("inf"),)], "n": 3})

@@ -199,3 +199,18 @@ def test_cache_append_and_keep():
     # element 1's dead slot 2 is not resurrected by the mask
     m2 = jnp.ones(c.valid.shape, bool)
     assert int(kvcache.keep(c, m2, 5).valid[0, 1, 0].sum()) == 3
+
+
+def test_clear_compiled_drops_the_engines_executables(params):
+    engine.clear_compiled()
+    engine.run(params, CFG, [_prompt(30)], max_new_tokens=4, stop_ids=())
+    held = len(engine._EXECUTABLES)
+    assert held == 2  # prefill and decode, kept for the next call
+    jax.clear_caches()  # jit's caches only: the AOT executables stay mapped
+    assert len(engine._EXECUTABLES) == held
+    engine.clear_compiled()
+    assert engine._EXECUTABLES == {}
+    _COMPILES.clear()
+    engine.run(params, CFG, [_prompt(30)], max_new_tokens=4, stop_ids=())
+    # prefill and decode compiled afresh (and the small jitted helpers jax dropped)
+    assert len(engine._EXECUTABLES) == 2 and len(_COMPILES) >= 2

@@ -29,7 +29,6 @@ from jax import monitoring
 
 from kvjax import engine, methods, offload
 from kvjax.methods.slim import core
-from kvjax.methods.slim import decode as slim_decode
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")
@@ -322,7 +321,7 @@ def test_invariants(pair, runs):
 
 
 def executables():
-    return len(engine._EXECUTABLES) + len(slim_decode._EXECUTABLES)
+    return len(engine._EXECUTABLES)
 
 
 def test_gamma_extremes_and_restrict(pair, runs):

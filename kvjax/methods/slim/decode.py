@@ -44,6 +44,7 @@ import numpy as np
 from kvjax import cache as kvcache
 from kvjax import offload
 from kvjax.config import ModelConfig
+from kvjax.engine import compile_once
 from kvjax.methods.slim import core
 from kvjax.methods.slim.prefill import stage_params
 from kvjax.models import attention, transformer
@@ -285,7 +286,7 @@ def movers(bufs, aux, *, plan, cfg: ModelConfig) -> tuple[list[dict], float]:
                                ("place_rows", place_rows, (xr, rows)),
                                ("take_rows", take_rows, (xr,)),
                                ("take_aux", take_rows, (ax,))):
-            fns[name], c = _compiled(fn, (*args, *_ix(0, 0)), block=plan.block)
+            fns[name], c = compile_once(fn, (*args, *_ix(0, 0)), block=plan.block)
             secs += c
         out.append(fns)
     return out, secs
@@ -429,21 +430,6 @@ def _account(hs: SlimDecodeState, bufs_gen_count):
     hs.full_kv.append(L * (hs.n + bufs_gen_count) * hs.slot_bytes)
 
 
-_EXECUTABLES: dict = {}
-
-
-def _compiled(fn, args: tuple, **static):
-    """AOT-compile `fn` once per (static args, argument shapes); (executable, seconds)."""
-    leaves, tree = jax.tree.flatten(args)
-    key = (fn, tuple(sorted(static.items())), tree,
-           tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
-    if key in _EXECUTABLES:
-        return _EXECUTABLES[key], 0.0
-    t0 = time.perf_counter()
-    _EXECUTABLES[key] = fn.lower(*args, **static).compile()
-    return _EXECUTABLES[key], time.perf_counter() - t0
-
-
 _step = jax.jit(step_fn, static_argnames=("cfg", "m", "plan", "sampling", "sample"),
                 donate_argnames=("bufs",))
 _init = jax.jit(init_buffers, static_argnames=("m", "plan", "cfg"))
@@ -460,7 +446,7 @@ def run_decode(m, params, cfg: ModelConfig, cache, logits, rng, state, *, max_ne
     B = logits.shape[0]
     plan = m.plan(cfg, int(state["T"]))
     hs = SlimDecodeState(m, plan, cfg, state, B, cache.k.dtype.itemsize)
-    init, compile_s = _compiled(_init, (cache, state), m=m, plan=plan, cfg=cfg)
+    init, compile_s = compile_once(_init, (cache, state), m=m, plan=plan, cfg=cfg)
     t0 = time.perf_counter()
     bufs = jax.block_until_ready(init(cache, state))
     setup_s = time.perf_counter() - t0
@@ -469,9 +455,9 @@ def run_decode(m, params, cfg: ModelConfig, cache, logits, rng, state, *, max_ne
     meta = hs.meta(static)
     done = np.zeros(B, bool)
     kw = dict(cfg=cfg, m=m, plan=plan, sampling=sampling, sample=sample)
-    step, c = _compiled(_step, (params, bufs, meta, logits, rng, jnp.asarray(done)), **kw)
+    step, c = compile_once(_step, (params, bufs, meta, logits, rng, jnp.asarray(done)), **kw)
     compile_s += c
-    first, c = _compiled(_candidates, (bufs, meta), m=m, plan=plan)
+    first, c = compile_once(_candidates, (bufs, meta), m=m, plan=plan)
     compile_s += c
     hs.movers, c = movers(bufs, state["aux"], plan=plan, cfg=cfg)
     compile_s += c
