@@ -62,6 +62,16 @@ def test_projected_norm_blockwise_matches_numpy():
     np.testing.assert_allclose(dense, ref, rtol=1e-5)
 
 
+def test_norm_bench_runs_both_forms(capsys):
+    from kvjax.bench import critical as bench
+
+    bench.main(["--contexts", "96", "--kv-heads", "2", "--groups", "2", "--head-dim", "8",
+                "--hidden", "16", "--block", "32", "--repeats", "1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[:2] for r in rows] == [["96", "dense"], ["96", "blockwise"]]
+    assert float(rows[1][-1]) < 1e-5  # the two forms agree
+
+
 def test_two_stage_matches_numpy():
     rng = np.random.default_rng(1)
     B, K, T, w = 1, 3, 50, 4
