@@ -290,7 +290,8 @@ def test_merge_convex_and_span(seed, kind):
     keep[0] = True
     gone[0] = False
     k2, v2, merged, _ = merge(jnp.asarray(k), jnp.asarray(v), jnp.asarray(keep),
-                              jnp.asarray(gone), jnp.asarray(-1.0), kind)
+                              jnp.asarray(k), jnp.asarray(v), jnp.asarray(gone),
+                              jnp.asarray(-1.0), kind)
     rk, rv, _ = ref_merge(k, v, keep, gone, -1.0, kind)
     np.testing.assert_allclose(np.asarray(k2), rk, atol=1e-5)
     np.testing.assert_allclose(np.asarray(v2), rv, atol=1e-5)
@@ -412,3 +413,21 @@ def test_decode_step_never_builds_slot_by_slot_similarities():
     jaxpr = jax.make_jaxpr(m.decode_layer)(io, jnp.ones((B, K, G, 1, C)), st_).jaxpr
     shapes = [v.aval.shape for eqn in jaxpr.eqns for v in eqn.outvars]
     assert shapes and not [s for s in shapes if s[-2:] == (C, C)]
+
+
+def test_prefill_merge_never_builds_prompt_by_prompt_similarities():
+    """The prefill merges every prompt entry against the S kept slots ([B, K, T, S]); a
+    [B, K, T, T] similarity made D2O's prefill 8x the full cache's at 8192 tokens."""
+    m = methods.create("d2o", budget=8)
+    L_, B, K, T, D = 2, 1, 2, 64, 8
+    S = m.kept_slots(T)
+    assert S < T
+    pos = jnp.broadcast_to(jnp.arange(T), (L_, B, K, T))
+    kv = (jnp.ones((L_, B, K, T, D)), jnp.ones((L_, B, K, T, D)), pos,
+          jnp.ones((L_, B, K, T), bool), jnp.ones((L_, B, K, T)), jnp.ones((L_, B)))
+    jaxpr = jax.make_jaxpr(lambda kv: m.finalize(kv, None))(kv).jaxpr
+    shapes = [v.aval.shape for e in jaxpr.eqns for sub in [e] + [
+        x for p in e.params.values() for x in ([p] if hasattr(p, "eqns") else [])]
+        for v in sub.outvars if hasattr(v, "aval")]
+    assert shapes and (T, S) in [s[-2:] for s in shapes]
+    assert not [s for s in shapes if s[-2:] == (T, T)]

@@ -70,37 +70,32 @@ def cosine(a, b, eps: float = 1e-6):
     return jnp.einsum("...id,...jd->...ij", a, b)
 
 
-def nearest(k, kept, src):
-    """Each source entry's most similar kept entry of the same head.
+def nearest(k, kept, ks):
+    """Each source key's most similar kept entry of the same head.
 
-    k [..., C, D]; kept [..., C]; src [..., E] slot indices. Returns (u [..., E, C]: cosine
-    of each source key with every kept key, -inf elsewhere; j [..., E]: the argmax;
-    maxsim [..., E])."""
-    ks = jnp.take_along_axis(k, src[..., None], axis=-2)
+    k [..., C, D]; kept [..., C]; ks [..., E, D] the source keys. Returns (u [..., E, C]:
+    cosine of each source key with every kept key, -inf elsewhere; j [..., E]: the argmax,
+    the lowest slot on ties; maxsim [..., E])."""
     u = jnp.where(kept[..., None, :], cosine(ks, k), -jnp.inf)
     return u, jnp.argmax(u, axis=-1), jnp.max(u, axis=-1)
 
 
-def merge(k, v, kept, gone, tau, kind: str, enabled: bool = True, src=None, near=None):
-    """Merge the `gone` entries into their nearest `kept` entry of the same head.
+def merge(k, v, kept, ks, vs, gone, tau, kind: str, enabled: bool = True, near=None):
+    """Merge the evicted sources into their nearest `kept` entry of the same head.
 
-    k, v [..., C, D]; kept, gone [..., C]; tau [...] (the threshold, broadcast per head).
-    `src` [..., E]: the slots that can be gone (None: all C; decoding passes the <= T
-    evicted ones, so a step costs O(T C D), not O(C^2 D)); `near`: `nearest(k, kept, src)`
-    when the caller has it. Returns (k, v, merged [..., C] (which gone entries merged),
-    maxsim [..., E]). Every gone entry i has u_i = cos(k_i, k_j) over the kept j; it merges
-    into j* = argmax_j u_ij when max_j u_ij >= tau. Eq. 11-12 (softmax) or the code's mean.
+    k, v [..., C, D] and kept [..., C]: the targets; ks, vs [..., E, D]: the sources, `gone`
+    [..., E] those of them evicted (the prefill passes every prompt entry against the kept
+    slots, a decode step its <= T evicted ones, so the cost is O(E C D), never O(n^2 D));
+    tau [...] (the threshold, broadcast per head); `near`: `nearest(k, kept, ks)` when the
+    caller has it. Returns (k, v, merged [..., E] (which sources merged), maxsim [..., E]).
+    Source i has u_i = cos(k_i, k_j) over the kept j; it merges into j* = argmax_j u_ij
+    when max_j u_ij >= tau. Eq. 11-12 (softmax) or the code's mean.
     """
     C = k.shape[-2]
-    if src is None:
-        src = jnp.broadcast_to(jnp.arange(C), gone.shape)
-    u, j, maxsim = nearest(k, kept, src) if near is None else near
-    at_src = src[..., None] == jnp.arange(C)  # [..., E, C]
-    ok = (jnp.take_along_axis(gone, src, axis=-1) & (maxsim >= tau[..., None])
-          & jnp.any(kept, axis=-1, keepdims=True))
-    merged = jnp.any(at_src & ok[..., None], axis=-2)
+    u, j, maxsim = nearest(k, kept, ks) if near is None else near
+    ok = gone & (maxsim >= tau[..., None]) & jnp.any(kept, axis=-1, keepdims=True)
     if not enabled:
-        return k, v, jnp.zeros_like(merged), maxsim
+        return k, v, jnp.zeros_like(ok), maxsim
     onehot = (j[..., None] == jnp.arange(C)) & ok[..., None]  # [..., E(i), C(j)]
     usel = jnp.where(onehot, u, 0.0)
     if kind == "softmax":
@@ -112,13 +107,13 @@ def merge(k, v, kept, gone, tau, kind: str, enabled: bool = True, src=None, near
     wsum = jnp.sum(w, axis=-2)  # [..., j]
     den = self_w + (wsum if kind == "softmax" else jnp.sum(onehot, axis=-2))
 
-    def apply(x):
+    def apply(x, xs):
         xf = x.astype(jnp.float32)
-        xs = jnp.take_along_axis(xf, src[..., None], axis=-2)
-        new = (self_w * xf + jnp.einsum("...ij,...id->...jd", w, xs)) / den[..., None]
+        new = (self_w * xf + jnp.einsum("...ij,...id->...jd", w, xs.astype(jnp.float32))
+               ) / den[..., None]
         return jnp.where(jnp.any(onehot, axis=-2)[..., None], new, xf).astype(x.dtype)
 
-    return apply(k), apply(v), merged, maxsim
+    return apply(k, ks), apply(v, vs), ok, maxsim
 
 
 @register
@@ -224,15 +219,17 @@ class D2O(DecodeEviction):
                 jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], idx].max(live)
             keep &= valid
             gone = valid & ~keep
-            src = jnp.broadcast_to(jnp.arange(T), gone.shape)
-            near = nearest(k, keep, src)
+            # gather first, then merge every prompt entry against the S kept slots:
+            # [B, K, T, S] similarities, not [B, K, T, T]
+            gk, gv, gpos, gvalid = select.gather(k, v, pos, valid, idx, live)
+            near = nearest(gk, gvalid, k)
             ng = jnp.sum(gone, axis=-1)
             tau = jnp.where(ng > 0, jnp.sum(jnp.where(gone, near[2], 0.0), -1)
                             / jnp.maximum(ng, 1), 1.0)
-            k2, v2, merged, _ = merge(k, v, keep, gone, tau, self.merge_kind,
-                                      self.merge and self.prefill_merge, src, near)
-            g = select.gather(k2, v2, pos, valid, idx, live)
-            a = jnp.where(g[3], jnp.take_along_axis(acc, idx, axis=-1), 0.0)
+            gk, gv, merged, _ = merge(gk, gv, gvalid, k, v, gone, tau, self.merge_kind,
+                                      self.merge and self.prefill_merge, near)
+            g = (gk, gv, gpos, gvalid)
+            a = jnp.where(gvalid, jnp.take_along_axis(acc, idx, axis=-1), 0.0)
             nm = jnp.sum(merged, axis=(-1, -2))
             return g, a, tau, nm, jnp.sum(gone, axis=(-1, -2)) - nm
 
@@ -270,14 +267,16 @@ class D2O(DecodeEviction):
         tau_prev = take(st["tau"])
         # at most T entries of a head go per step: their slots, then U_t (their
         # similarities with the kept ones) -- [B, K, T, C], never [B, K, C, C]
-        src = jax.lax.top_k(gone.astype(jnp.int32), T)[1]  # [B, K, T]
-        near = nearest(io.k, kept, src)
+        src = (jnp.argmax(gone, axis=-1)[..., None] if T == 1  # XLA:CPU's top_k sorts: 1 ms
+               else jax.lax.top_k(gone.astype(jnp.int32), T)[1])  # [B, K, T]
+        ks, vs = (jnp.take_along_axis(x, src[..., None], axis=-2) for x in (io.k, io.v))
+        near = nearest(io.k, kept, ks)
         gone_src = jnp.take_along_axis(gone, src, axis=-1)
         umax = jnp.max(jnp.where(gone_src, near[2], -jnp.inf), axis=-1)  # [B, K]
         any_gone = jnp.any(gone, axis=-1)
         tau = jnp.where(any_gone, self.beta * umax + (1 - self.beta) * tau_prev, tau_prev)
-        k, v, merged, _ = merge(io.k, io.v, kept, gone, tau, self.merge_kind, self.merge,
-                                src, near)
+        k, v, merged, _ = merge(io.k, io.v, kept, ks, vs, gone_src, tau, self.merge_kind,
+                                self.merge, near)
         nm = jnp.sum(merged, axis=(-1, -2), dtype=jnp.int32)
         nd = jnp.sum(gone, axis=(-1, -2), dtype=jnp.int32) - nm
         st = {**st, "acc": put(st["acc"], jnp.where(gone, 0.0, acc)),
