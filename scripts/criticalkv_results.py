@@ -8,8 +8,10 @@ per-layer output perturbation, written to docs/results/criticalkv.md.
 Accuracy: one `python -m kvjax.run` per scenario (context-only = the paper's setting,
 and question-aware) over the base methods snapkv, ada_snapkv, pyramidkv, headkv, lava and
 their critical forms, 4 budgets (48/2048 = 2.3% ... 256/2048 = 12.5%), context 2048.
-Perturbation: for each layer, sum over the last `window` prompt queries of
-||(o - o_hat) W_O||_1 -- o with the full prompt, o_hat with the kept entries only --
+Perturbation: for each layer, the sum of ||(o - o_hat) W_O||_1 -- o with the full
+context, o_hat with the entries kept after compressing the context alone -- over the last
+`window` context queries (the ones the base method scored) and over the question's
+queries appended after compression (out-of-sample, as the paper's first decoded token),
 under the base selection and the critical selection at the same budget (mean over
 samples of a retrieval task). Every number comes from the JSON records / this run.
 """
@@ -45,58 +47,75 @@ def run_scenario(a, scenario, out: Path) -> Path:
         "--seed", str(a.seed), "--no-progress"], ROOT)
 
 
-def perturbation(model, name: str, budget: int, ids: list[int], window: int) -> np.ndarray:
-    """[L] sum over the last `window` queries of ||(o - o_hat) W_O||_1 (jnp, fp32)."""
+def perturbation(model, name: str, budget: int, ctx: list[int], question: list[int],
+                 window: int) -> np.ndarray:
+    """[2, L]: per layer, the sum over a set of queries of ||(o - o_hat) W_O||_1 (jnp, fp32),
+    o over every key before the query, o_hat over the kept context entries (the cache after
+    compressing `ctx` alone) and every question key before it. Row 0: the last `window`
+    context queries, the ones the base method scored (in-sample). Row 1: the question's
+    queries, appended after compression as in the context-only scenario (out-of-sample,
+    like the paper's first decoded token). Hidden states come from the full cache, so each
+    layer's number is its own perturbation, not an accumulated one."""
     cfg, params = model.cfg, model.params
     m = methods.create(name, budget=budget)
-    n = len(ids)
-    tokens, valid = engine.pad_left([ids], n, cfg.pad_token_id)
+    n, nq = len(ctx), len(question)
+    tokens, valid = engine.pad_left([ctx], n, cfg.pad_token_id)
     _, cache, _, _ = engine.prefill(params, tokens, valid, cfg=cfg, method=m,
                                     capacity=m.cache_slots(n, cfg))
-    keep = np.zeros((cfg.num_layers, cfg.num_kv_heads, n), bool)
+    keep = np.zeros((cfg.num_layers, cfg.num_kv_heads, n + nq), bool)
+    keep[..., n:] = True
     pos, live = np.asarray(cache.pos[:, 0]), np.asarray(cache.valid[:, 0])
     for layer in range(cfg.num_layers):
         for h in range(cfg.num_kv_heads):
             keep[layer, h, pos[layer, h][live[layer, h]]] = True
     keep = jnp.asarray(keep)
+    tokens, valid = engine.pad_left([ctx + question], n + nq, cfg.pad_token_id)
     pos_BT = engine.positions(valid, jnp.zeros((1,), jnp.int32))
 
-    def hook(io, st):
-        q = io.q[0, -window:]  # [w, H, Dh]
-        k, v = io.k[0], io.v[0]  # [K, n, Dh]
+    def loss(io, rows):
+        q = io.q[0, rows]  # [r, H, Dh]
+        k, v = io.k[0], io.v[0]  # [K, n + nq, Dh]
         H, Dh = q.shape[1], q.shape[2]
         G = H // k.shape[0]
-        kh, vh = jnp.repeat(k, G, 0), jnp.repeat(v, G, 0)  # [H, n, Dh]
+        kh, vh = jnp.repeat(k, G, 0), jnp.repeat(v, G, 0)  # [H, n + nq, Dh]
         lg = jnp.einsum("thd,hnd->htn", q, kh) / np.sqrt(Dh)
-        causal = jnp.arange(n)[None, :] <= jnp.arange(n - window, n)[:, None]  # [w, n]
+        causal = jnp.arange(n + nq)[None, :] <= rows[:, None]  # [r, n + nq]
         kp = jnp.repeat(keep[io.layer], G, 0)[:, None, :] & causal[None]
         full = jax.nn.softmax(jnp.where(causal[None], lg, -jnp.inf), -1)
         hat = jax.nn.softmax(jnp.where(kp, lg, -jnp.inf), -1)
-        d = jnp.einsum("htn,hnd->htd", full - hat, vh)  # [H, w, Dh]
-        wo = io.wo.reshape(H, Dh, -1)
-        return jnp.sum(jnp.abs(jnp.einsum("htd,hde->hte", d, wo))), st
+        d = jnp.einsum("htn,hnd->htd", full - hat, vh)  # [H, r, Dh]
+        return jnp.sum(jnp.abs(jnp.einsum("htd,hde->hte", d, io.wo.reshape(H, Dh, -1))))
+
+    def hook(io, st):
+        return jnp.stack([loss(io, jnp.arange(n - window, n)),
+                          loss(io, jnp.arange(n, n + nq))]), st
 
     _, out, _ = transformer.prefill(params, cfg, tokens, valid, pos_BT, hook, None)
-    return np.asarray(out)
+    return np.asarray(out).T
 
 
 def perturbation_table(a) -> str:
     model = load(a.model)
     samples = tasks.generate(a.perturb_task, a.context, n=a.perturb_samples, seed=a.seed)
-    rows = ["| base | budget | layer | L1 base | L1 critical | critical lower |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| base | budget | layer | window: base | window: critical | window: critical "
+            "lower | question: base | question: critical | question: critical lower |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for base, crit in PAIRS:
+        w = methods.create(base).window
         for budget in [int(b) for b in a.perturb_budgets.split(",")]:
-            eb = np.zeros(model.cfg.num_layers)
-            ec = np.zeros(model.cfg.num_layers)
+            eb = np.zeros((2, model.cfg.num_layers))
+            ec = np.zeros((2, model.cfg.num_layers))
             for s in samples:
-                ids = model.encode(s.context)
-                w = methods.create(base).window
-                eb += perturbation(model, base, budget, ids, w) / len(samples)
-                ec += perturbation(model, crit, budget, ids, w) / len(samples)
-            for layer in range(len(eb)):
-                rows.append(f"| {base} | {budget} | {layer} | {eb[layer]:.3g} | "
-                            f"{ec[layer]:.3g} | {'yes' if ec[layer] < eb[layer] else 'no'} |")
+                ctx, q = model.encode(s.context), model.encode(s.question, bos=False)
+                eb += perturbation(model, base, budget, ctx, q, w) / len(samples)
+                ec += perturbation(model, crit, budget, ctx, q, w) / len(samples)
+            for layer in range(eb.shape[1]):
+                cells = [f"{eb[i, layer]:.3g} | {ec[i, layer]:.3g} | "
+                         f"{'yes' if ec[i, layer] < eb[i, layer] else 'no'}" for i in (0, 1)]
+                rows.append(f"| {base} | {budget} | {layer} | " + " | ".join(cells) + " |")
+            rows.append(f"| {base} | {budget} | all | {eb[0].sum():.3g} | {ec[0].sum():.3g} | "
+                        f"{(ec[0] < eb[0]).sum()}/{eb.shape[1]} | {eb[1].sum():.3g} | "
+                        f"{ec[1].sum():.3g} | {(ec[1] < eb[1]).sum()}/{eb.shape[1]} |")
     return "\n".join(rows)
 
 
@@ -119,7 +138,8 @@ def main(argv=None) -> int:
              "window included."]
     for scenario in a.scenarios.split(","):
         recs = json.loads(run_scenario(a, scenario, a.out).read_text())["records"]
-        recs = sorted(recs, key=report.method_label)
+        order = ["full", *(m for pair in PAIRS for m in pair)]
+        recs = sorted(recs, key=lambda r: (order.index(r["method"]), r["budget"] or 0))
         parts += ["", f"## Accuracy (%), {scenario.replace('_', '-')}", "",
                   report.markdown_table(recs, report.method_label, lambda r: r["task"],
                                         lambda r: 100 * r["accuracy"], fmt="{:.0f}",
@@ -134,8 +154,14 @@ def main(argv=None) -> int:
             if png is not None:
                 parts += ["", f"![{task} {scenario}]({png.name})"]
     parts += ["", "## Output perturbation per layer", "",
-              f"Sum over the last `window` prompt queries of ||(o - o_hat) W_O||_1, mean over "
-              f"{a.perturb_samples} `{a.perturb_task}` contexts; same budget for both.", "",
+              "Per layer, the sum over a set of queries of ||(o - o_hat) W_O||_1: o with the "
+              "whole context, o_hat with the entries the method kept after compressing the "
+              "context alone (context-only), hidden states from the full cache. `window`: "
+              "the last `window` context queries, which the base method scored; `question`: "
+              "the question's queries, appended after compression (the paper measures the "
+              f"first decoded token). Mean over {a.perturb_samples} `{a.perturb_task}` "
+              "samples; same budget for both; `all`: the sum over layers and the number of "
+              "layers where the critical form is lower.", "",
               perturbation_table(a)]
     text = "\n".join(parts) + "\n"
     (a.out / "criticalkv.md").write_text(text)
