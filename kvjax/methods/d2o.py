@@ -73,11 +73,19 @@ def cosine(a, b, eps: float = 1e-6):
 def nearest(k, kept, ks):
     """Each source key's most similar kept entry of the same head.
 
-    k [..., C, D]; kept [..., C]; ks [..., E, D] the source keys. Returns (u [..., E, C]:
-    cosine of each source key with every kept key, -inf elsewhere; j [..., E]: the argmax,
-    the lowest slot on ties; maxsim [..., E])."""
-    u = jnp.where(kept[..., None, :], cosine(ks, k), -jnp.inf)
-    return u, jnp.argmax(u, axis=-1), jnp.max(u, axis=-1)
+    k [..., C, D]; kept [..., C]; ks [..., E, D] the source keys. Returns (j [..., E]: the
+    kept slot of the largest cosine, the lowest slot on ties; maxsim [..., E]: that cosine,
+    -inf where the head keeps nothing)."""
+    u = jnp.where(kept[..., None, :], cosine(ks, k), -jnp.inf)  # [..., E, C]
+    return jnp.argmax(u, axis=-1), jnp.max(u, axis=-1)
+
+
+def _into_slots(x, j, C: int):
+    """Sum x [..., E, *F] into C slots by j [..., E]: [..., C, *F] (a scatter-add, O(E F))."""
+    lead, E, feat = j.shape[:-1], j.shape[-1], x.shape[j.ndim:]
+    out = jax.vmap(lambda jj, xx: jnp.zeros((C, *feat), xx.dtype).at[jj].add(xx))(
+        j.reshape(-1, E), x.reshape(-1, E, *feat))
+    return out.reshape(*lead, C, *feat)
 
 
 def merge(k, v, kept, ks, vs, gone, tau, kind: str, enabled: bool = True, near=None):
@@ -89,29 +97,25 @@ def merge(k, v, kept, ks, vs, gone, tau, kind: str, enabled: bool = True, near=N
     tau [...] (the threshold, broadcast per head); `near`: `nearest(k, kept, ks)` when the
     caller has it. Returns (k, v, merged [..., E] (which sources merged), maxsim [..., E]).
     Source i has u_i = cos(k_i, k_j) over the kept j; it merges into j* = argmax_j u_ij
-    when max_j u_ij >= tau. Eq. 11-12 (softmax) or the code's mean.
+    when max_j u_ij >= tau. Eq. 11-12 (softmax: weights exp(u_ij*) against e for the kept
+    entry) or the code's mean (weights u_ij* against 1, divided by 1 + the count).
     """
     C = k.shape[-2]
-    u, j, maxsim = nearest(k, kept, ks) if near is None else near
+    j, maxsim = nearest(k, kept, ks) if near is None else near
     ok = gone & (maxsim >= tau[..., None]) & jnp.any(kept, axis=-1, keepdims=True)
     if not enabled:
         return k, v, jnp.zeros_like(ok), maxsim
-    onehot = (j[..., None] == jnp.arange(C)) & ok[..., None]  # [..., E(i), C(j)]
-    usel = jnp.where(onehot, u, 0.0)
-    if kind == "softmax":
-        w = jnp.where(onehot, jnp.exp(usel), 0.0)
-        self_w = math.e
-    else:
-        w = usel
-        self_w = 1.0
-    wsum = jnp.sum(w, axis=-2)  # [..., j]
-    den = self_w + (wsum if kind == "softmax" else jnp.sum(onehot, axis=-2))
+    softmax = kind == "softmax"
+    self_w = math.e if softmax else 1.0
+    w = jnp.where(ok, jnp.exp(maxsim) if softmax else maxsim, 0.0)  # [..., E]
+    count = _into_slots(ok.astype(jnp.float32), j, C)  # [..., C]
+    den = self_w + (_into_slots(w, j, C) if softmax else count)
 
     def apply(x, xs):
         xf = x.astype(jnp.float32)
-        new = (self_w * xf + jnp.einsum("...ij,...id->...jd", w, xs.astype(jnp.float32))
+        new = (self_w * xf + _into_slots(w[..., None] * xs.astype(jnp.float32), j, C)
                ) / den[..., None]
-        return jnp.where(jnp.any(onehot, axis=-2)[..., None], new, xf).astype(x.dtype)
+        return jnp.where((count > 0)[..., None], new, xf).astype(x.dtype)
 
     return apply(k, ks), apply(v, vs), ok, maxsim
 
@@ -224,7 +228,7 @@ class D2O(DecodeEviction):
             gk, gv, gpos, gvalid = select.gather(k, v, pos, valid, idx, live)
             near = nearest(gk, gvalid, k)
             ng = jnp.sum(gone, axis=-1)
-            tau = jnp.where(ng > 0, jnp.sum(jnp.where(gone, near[2], 0.0), -1)
+            tau = jnp.where(ng > 0, jnp.sum(jnp.where(gone, near[1], 0.0), -1)
                             / jnp.maximum(ng, 1), 1.0)
             gk, gv, merged, _ = merge(gk, gv, gvalid, k, v, gone, tau, self.merge_kind,
                                       self.merge and self.prefill_merge, near)
@@ -272,7 +276,7 @@ class D2O(DecodeEviction):
         ks, vs = (jnp.take_along_axis(x, src[..., None], axis=-2) for x in (io.k, io.v))
         near = nearest(io.k, kept, ks)
         gone_src = jnp.take_along_axis(gone, src, axis=-1)
-        umax = jnp.max(jnp.where(gone_src, near[2], -jnp.inf), axis=-1)  # [B, K]
+        umax = jnp.max(jnp.where(gone_src, near[1], -jnp.inf), axis=-1)  # [B, K]
         any_gone = jnp.any(gone, axis=-1)
         tau = jnp.where(any_gone, self.beta * umax + (1 - self.beta) * tau_prev, tau_prev)
         k, v, merged, _ = merge(io.k, io.v, kept, ks, vs, gone_src, tau, self.merge_kind,
