@@ -39,20 +39,27 @@ class TrainConfig:
     lm_weight: float = 0.1  # next-token loss on the context (repeated filler teaches copying)
     # (from step, context length, batch size[, task weights]): long contexts come late and in
     # small batches, so a step costs about the same number of tokens throughout; a stage's
-    # own task weights replace `tasks` while it lasts
+    # own task weights replace `tasks` while it lasts. Lists of lengths and batch sizes are
+    # cycled step by step: one stage that keeps every length in training
     curriculum: tuple = ((0, 256, 8),)
     tasks: tuple = (("niah_single", 1.0),)
     checkpoint_every: int = 100
-    # (from step, layers): progressive stacking. The model starts shallow (induction forms
-    # in a 2-layer model on repeated random segments within a few hundred steps on this
-    # CPU, MODEL.md) and is deepened by `grow`; the last is the model's depth
+    # (from step, layers[, peak lr]): progressive stacking. The model starts shallow
+    # (induction forms in a 2-layer model on repeated random segments within a few hundred
+    # steps on this CPU, MODEL.md) and is deepened by `grow`; the last is the model's depth.
+    # Every entry starts a new optimizer phase (fresh moments, warmup + cosine to the next
+    # entry); one at the same depth is a warm restart
     layers: tuple = ()
     remat_from: int = 1024  # rematerialise layers from this context on (below, memory is
     # plentiful and remat only costs a third more compute)
 
     def stage(self, step: int) -> tuple[int, int]:
         """(context length, batch size) at `step`."""
-        return self._stage(step)[1:3]
+        start, context, batch = self._stage(step)[:3]
+        if isinstance(context, (tuple, list)):
+            i = (step - start) % len(context)
+            return context[i], batch[i]
+        return context, batch
 
     def mixture(self, step: int) -> tuple:
         """((task, weight), ...) drawn from at `step`."""
@@ -61,7 +68,13 @@ class TrainConfig:
 
     def depth(self, step: int, final: int) -> int:
         """Layers the model has while taking step `step` (`final` once the schedule ends)."""
-        return ([n for s, n in self.layers if s <= step] or [final])[-1]
+        return ([x[1] for x in self.layers if x[0] <= step] or [final])[-1]
+
+    def phase(self, step: int) -> tuple[int, int, float]:
+        """(first step, last step + 1, peak lr) of the optimizer phase holding `step`."""
+        starts = [x for x in self.layers if x[0] <= step] or [(0, 0)]
+        ends = [x[0] for x in self.layers if x[0] > step] + [self.steps]
+        return starts[-1][0], ends[0], (starts[-1][2:] or (self.lr,))[0]
 
     def _stage(self, step: int) -> tuple:
         return [c for c in self.curriculum if c[0] <= step][-1]
@@ -73,11 +86,17 @@ def load_configs(path: str | Path) -> tuple[ModelConfig, TrainConfig, dict]:
     cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in m.items()})
     t = dict(raw.get("train", {}))
     weights = lambda d: tuple((k, float(v)) for k, v in d.items())  # noqa: E731
-    t["curriculum"] = tuple(tuple(x[:3]) + tuple(weights(w) for w in x[3:])
+    cycle = lambda x: tuple(x) if isinstance(x, list) else x  # noqa: E731
+    t["curriculum"] = tuple(tuple(map(cycle, x[:3])) + tuple(weights(w) for w in x[3:])
                             for x in t.get("curriculum", ((0, 256, 8),)))
     t["tasks"] = weights(t.get("tasks", {"niah_single": 1}))
     t["layers"] = tuple(tuple(x) for x in t.get("layers", ()))
     tc = TrainConfig(**t)
+    n = lambda x: len(x) if isinstance(x, tuple) else 0  # noqa: E731
+    for c in tc.curriculum:
+        if n(c[1]) != n(c[2]):
+            raise ValueError(f"curriculum stage from step {c[0]}: {c[1]} context lengths and "
+                             f"{c[2]} batch sizes; a cycle needs one batch size per length")
     if tc.layers and tc.layers[-1][1] != cfg.num_layers:
         raise ValueError(f"train.layers ends at {tc.layers[-1][1]} layers, but the model has "
                          f"num_layers={cfg.num_layers}: the last stage must be the model's depth")
@@ -300,13 +319,11 @@ def make_batch(tc: TrainConfig, step: int) -> dict:
 
 
 def optimizer(tc: TrainConfig, step: int = 0):
-    """AdamW, warmup + cosine over the steps the depth of `step` trains for: each growth
-    starts a new schedule (and fresh moments), and every depth ends at the low rate."""
-    starts = [s for s, _ in tc.layers if s <= step] or [0]
-    ends = [s for s, _ in tc.layers if s > step] + [tc.steps]
-    span = ends[0] - starts[-1]
-    sched = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup, max(span, tc.warmup + 1),
-                                               tc.lr * tc.min_lr_ratio)
+    """AdamW, warmup + cosine over the phase of `step` (`TrainConfig.layers`): each phase
+    starts a new schedule (and fresh moments), and every phase ends at the low rate."""
+    start, end, lr = tc.phase(step)
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, tc.warmup, max(end - start, tc.warmup + 1),
+                                               lr * tc.min_lr_ratio)
     return optax.chain(optax.clip_by_global_norm(tc.clip),
                        optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=tc.weight_decay))
 
@@ -348,11 +365,12 @@ def train(config_path: str | Path, workdir: str | Path, export: str | Path | Non
     log = []
     t0 = time.perf_counter()
     for step in range(start, stop):
-        if tc.depth(step, final.num_layers) != cfg.num_layers:
-            params, cfg = grow(params, cfg, tc.depth(step, final.num_layers),
-                               jax.random.fold_in(key, step))
-            # fresh moments and a new warmup: the old layers' moments were fitted to a
-            # shallower network's gradients (the recipe MODEL.md measured)
+        if step and tc.phase(step)[0] == step:
+            if tc.depth(step, final.num_layers) != cfg.num_layers:
+                params, cfg = grow(params, cfg, tc.depth(step, final.num_layers),
+                                   jax.random.fold_in(key, step))
+            # fresh moments and a new warmup: the old moments were fitted to a shallower
+            # network's gradients or to the end of a decayed schedule (MODEL.md)
             opt = optimizer(tc, step)
             opt_state, update = opt.init(params), update_fn(cfg, tc, opt)
         batch = make_batch(tc, step)
@@ -390,6 +408,36 @@ def restore(mngr, step: int, cfg: ModelConfig, tc: TrainConfig) -> tuple[ModelCo
     return cfg, params, opt_state
 
 
+def seed_from_export(config_path: str | Path, workdir: str | Path, export: str | Path) -> int:
+    """Write the checkpoint a run holds after `trained_steps` steps from an exported model,
+    where that step starts an optimizer phase: there the state is the parameters alone (the
+    moments start fresh), so resuming from it equals an uninterrupted run. Returns the step.
+    This lets a phase added to the schedule start from the shipped weights when the deep
+    checkpoints (too large to commit) are gone."""
+    import orbax.checkpoint as ocp
+    from kvjax.models.checkpoint import load_hf
+
+    cfg, tc, _ = load_configs(config_path)
+    step = int(yaml.safe_load((Path(export) / "train_config.yaml").read_text())["trained_steps"])
+    if not step or tc.phase(step)[0] != step:
+        raise ValueError(f"{export} was trained {step} steps; a run can start from it only at "
+                         f"the first step of an optimizer phase, one of "
+                         f"{[x[0] for x in tc.layers if x[0]]} (train.layers)")
+    got, params = load_hf(export)
+    want = dataclasses.replace(cfg, num_layers=tc.depth(step - 1, cfg.num_layers))
+    if got != want:
+        raise ValueError(f"{export} holds a {got.num_layers}-layer model {got}, but step {step} "
+                         f"of {config_path} has {want}")
+    mngr = ocp.CheckpointManager(Path(workdir).resolve() / "ckpt")
+    if (mngr.latest_step() or 0) >= step:
+        raise ValueError(f"{workdir} already holds step {mngr.latest_step()} >= {step}")
+    opt_state = optimizer(tc, step - 1).init(params)  # replaced at `step`: a phase starts
+    mngr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave({"params": params, "opt_state": opt_state})))
+    mngr.wait_until_finished()
+    return step
+
+
 def export_model(path: str | Path, cfg: ModelConfig, params: dict, raw: dict) -> None:
     """HF checkpoint directory + tokenizer + the training config (for the model card)."""
     from kvjax.tasks.tokenizer import save_tokenizer
@@ -412,7 +460,12 @@ def main(argv=None) -> int:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--export-early", action="store_true",
                    help="export at --steps even though the schedule is not finished")
+    p.add_argument("--from-export", default=None, metavar="DIR",
+                   help="first write the checkpoint of the step an exported model was trained "
+                        "to (it must start an optimizer phase), then resume from it")
     a = p.parse_args(argv)
+    if a.from_export:
+        print(f"seeded {a.workdir} at step {seed_from_export(a.config, a.workdir, a.from_export)}")
     train(a.config, a.workdir, a.export, a.steps, a.log_every, a.export_early)
     return 0
 

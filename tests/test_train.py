@@ -189,6 +189,39 @@ def test_resume_across_growth_is_identical(tmp_path):
         assert _leaves_equal(resumed["opt_state"], full["opt_state"])
 
 
+def test_a_warm_restart_seeded_from_an_export_equals_the_uninterrupted_run(tmp_path):
+    """A same-depth phase (`layers` [6, 3, lr]) starts fresh moments and its own schedule,
+    so the exported weights of its first step are the whole state: a run seeded from them
+    (`--from-export`) reaches the parameters of the run that never stopped."""
+    cfg = {"model": {**CONFIG["model"], "num_layers": 3},
+           "train": {**CONFIG["train"], "layers": [[0, 1], [4, 3], [6, 3, 3e-3]]}}
+    p = tmp_path / "restart.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    _, tc, _ = train.load_configs(p)
+    assert [tc.phase(s) for s in (3, 4, 5, 6, 7)] == [
+        (0, 4, 1e-2), (4, 6, 1e-2), (4, 6, 1e-2), (6, 8, 3e-3), (6, 8, 3e-3)]
+    full = train.train(p, tmp_path / "a")
+    train.train(p, tmp_path / "b", export=tmp_path / "e6", steps=6, export_early=True)
+    assert train.seed_from_export(p, tmp_path / "c", tmp_path / "e6") == 6
+    seeded = train.train(p, tmp_path / "c")
+    assert _leaves_equal(seeded["params"], full["params"])
+    assert _leaves_equal(seeded["opt_state"], full["opt_state"])
+    # mid-phase the moments are part of the state: an export of step 5 cannot seed a run
+    train.train(p, tmp_path / "d", export=tmp_path / "e5", steps=5, export_early=True)
+    with pytest.raises(ValueError, match=r"trained 5 steps.*one of \[4, 6\]"):
+        train.seed_from_export(p, tmp_path / "f", tmp_path / "e5")
+    with pytest.raises(ValueError, match=r"already holds step 8 >= 6"):
+        train.seed_from_export(p, tmp_path / "a", tmp_path / "e6")
+
+
+def test_a_cycled_stage_alternates_lengths_step_by_step(tmp_path):
+    tc = _staged(tmp_path, [0, 96, 8], [2, [128, 256], [4, 2]])
+    assert [tc.stage(s) for s in range(6)] == [(96, 8), (96, 8), (128, 4), (256, 2), (128, 4), (256, 2)]
+    assert [train.make_batch(tc, s)["inputs"].shape[0] for s in (1, 2, 3)] == [8, 4, 2]
+    with pytest.raises(ValueError, match=r"from step 2: \(128, 256\) context lengths and \(4,\) batch"):
+        _staged(tmp_path, [0, 96, 8], [2, [128, 256], [4]])
+
+
 def test_growth_schedule_must_end_at_the_model_depth(tmp_path):
     cfg = {**CONFIG, "train": {**CONFIG["train"], "layers": [[0, 1], [4, 3]]}}
     p = tmp_path / "bad.yaml"
