@@ -46,8 +46,8 @@ def _decoder(tok) -> Callable[[list[int]], str]:
     return lambda ids: tok.decode(ids, skip_special_tokens=True)
 
 
-def load(name_or_path: str | Path = "tiny-retrieval", dtype=jnp.float32) -> Model:
-    """The bundled model by name, or a local HF checkpoint directory (no network)."""
+def model_dir(name_or_path: str | Path) -> Path:
+    """The checkpoint directory of a bundled model's name, or the directory given."""
     path = Path(name_or_path)
     if str(name_or_path) in BUNDLED:
         path = BUNDLED_DIR / str(name_or_path)
@@ -59,6 +59,12 @@ def load(name_or_path: str | Path = "tiny-retrieval", dtype=jnp.float32) -> Mode
         raise FileNotFoundError(
             f"model {str(name_or_path)!r} is neither a bundled model {BUNDLED} nor a local "
             f"checkpoint directory")
+    return path
+
+
+def load(name_or_path: str | Path = "tiny-retrieval", dtype=jnp.float32) -> Model:
+    """The bundled model by name, or a local HF checkpoint directory (no network)."""
+    path = model_dir(name_or_path)
     cfg, params = load_hf(path, dtype)
     tokenizer = None
     if (path / "tokenizer.json").exists():

@@ -33,7 +33,6 @@ heads' budgets in the authors' formula).
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.config import ModelConfig
 from kvjax.models import attention, transformer
+from kvjax.models.checkpoint import weights_sha256  # noqa: F401  (scores name their weights)
 
 SCORES_DIR = Path(__file__).resolve().parent / "assets" / "head_scores"
 SCORE_KINDS = ("reason", "copy")
@@ -99,17 +99,6 @@ def copy_score(p_LHAT: Float[np.ndarray, "L H A T"], needle_T: Bool[np.ndarray, 
     top = np.argmax(p_LHAT, axis=-1)  # [L, H, A], lower index on ties
     hit = needle_T[top] & (ids_T[top] == answer_A[None, None, :])
     return hit.mean(axis=-1)
-
-
-def weights_sha256(model_dir: str | Path) -> str | None:
-    """sha256 of the checkpoint's safetensors files (which weights the scores belong to)."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        return None
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.read_bytes())
-    return h.hexdigest()
 
 
 # ---- loading ------------------------------------------------------------------------

@@ -113,13 +113,42 @@ def results_parser(doc: str | None, out: Path, samples: int = 50) -> argparse.Ar
     return p
 
 
+def model_line(records: Iterable[dict]) -> str:
+    """The weights a set of records was measured on, for a results document's header;
+    records of different weights in one document are refused."""
+    seen = {(r["model"], (r.get("model_weights") or {}).get("sha256"),
+             (r.get("model_weights") or {}).get("trained_steps")) for r in records}
+    if len(seen) != 1:
+        raise ValueError(f"records of {len(seen)} different models or weights {sorted(seen, key=str)}: "
+                         "re-measure them on one")
+    name, sha, steps = seen.pop()
+    if sha is None:
+        return f"model {name} (its weights were not recorded)"
+    return f"model {name}" + (f" at trained step {steps}" if steps is not None else "") + \
+        f", weights sha256 {sha[:12]}"
+
+
+def _weights_of(args: list[str]) -> str | None:
+    from kvjax.api import model_dir
+    from kvjax.models.checkpoint import weights_sha256
+
+    name = args[args.index("--model") + 1] if "--model" in args else "tiny-retrieval"
+    return weights_sha256(model_dir(name))
+
+
 def run_once(path: Path, args: list[str], cwd: Path) -> Path:
-    """`python -m kvjax.run <args> --output path`, unless `path` exists (delete it to
-    re-measure): the results scripts resume where an interrupted sweep stopped."""
+    """`python -m kvjax.run <args> --output path`, unless `path` exists and was measured on
+    the same weights (delete it to re-measure): the results scripts resume where an
+    interrupted sweep stopped, and never reuse records of other weights."""
     import subprocess
     import sys
 
     if path.exists():
+        got = {(r.get("model_weights") or {}).get("sha256") for r in load_records(path)}
+        want = _weights_of(args)
+        if got != {want}:
+            raise ValueError(f"{path} holds records of weights {sorted(got, key=str)}, not of "
+                             f"the model's current weights {want}: delete it to re-measure")
         print(f"{path} exists: not re-running", file=sys.stderr)
         return path
     print("kvjax.run " + " ".join(args), file=sys.stderr)

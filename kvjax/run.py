@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -137,6 +138,7 @@ def evaluate(model, method, task: str, context: int, args, budget, ratio, pbar=N
 
     import kvjax
 
+    weights = _provenance(str(model.path) if model.path else None)
     record = {
         "method": method.name,
         "budget": budget if budget is not None else (
@@ -158,11 +160,19 @@ def evaluate(model, method, task: str, context: int, args, budget, ratio, pbar=N
         "select_k": extra_stats.get("select_k"),  # resolved (FastKV's is a rate of the prompt)
         "method_params": dataclasses.asdict(method),
         "model": model.name,
+        "model_weights": weights,
         "versions": {"kvjax": kvjax.__version__, "jax": jax.__version__},
     }
     if args.details:
         record["details"] = per_sample
     return record
+
+
+@functools.lru_cache(maxsize=4)
+def _provenance(path: str | None) -> dict:
+    from kvjax.models.checkpoint import provenance
+
+    return provenance(path)
 
 
 def _finite(x):

@@ -39,15 +39,6 @@ def run_method(a, method: str) -> Path:
         "--details", "--no-progress", *(x for kv in a.set for x in ("--set", kv))], ROOT)
 
 
-def trained_steps(model: str):
-    """`trained_steps` of the model's train_config.yaml (None when it has none)."""
-    import yaml
-    from kvjax.api import BUNDLED, BUNDLED_DIR
-
-    path = (BUNDLED_DIR / model if model in BUNDLED else Path(model)) / "train_config.yaml"
-    return (yaml.safe_load(path.read_text()) or {}).get("trained_steps") if path.exists() else None
-
-
 def col(layer) -> str:
     return "none" if layer is None else f"L{layer}"
 
@@ -137,14 +128,12 @@ def selection_sections(records: list[dict], a) -> list[str]:
 def write_report(records: list[dict], a) -> str:
     out = a.out.resolve()
     out = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
-    steps = trained_steps(a.model)
     parts = ["# ASL vs FastKV, GemFilter, SnapKV (issue 7)", "",
              f"Measured by `python scripts/asl_results.py --model {a.model} --samples {a.samples} "
              f"--seed {a.seed} --budgets {a.budgets} --context {a.context} --tasks {a.tasks} "
              f"--methods {a.methods}{''.join(f' --set {kv}' for kv in a.set)} --out {out}`"
-             + (f"; model at trained step {steps}" if steps is not None else "")
-             + ". Question-aware; budget = select_k = KV entries per (layer, KV head), window "
-             "included (FastKV: its KV budget; it propagates `tsp_rate` of the prompt).", "",
+             + f"; {report.model_line(records)}. Question-aware; budget = select_k = KV entries "
+             "per (layer, KV head), window included (FastKV: its KV budget; it propagates `tsp_rate` of the prompt).", "",
              "## Accuracy (%)", "",
              report.markdown_table(records, report.method_label,
                                    lambda r: f"{r['task']} @{r['context_length']}",

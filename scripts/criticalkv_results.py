@@ -133,11 +133,13 @@ def main(argv=None) -> int:
     cmdline = "python scripts/criticalkv_results.py " + " ".join(sys.argv[1:] if argv is None
                                                                   else argv)
     parts = ["# CriticalKV: base methods vs their critical form", "",
-             f"Command: `{cmdline}`. Model {a.model}, context {a.context}, {a.samples} "
+             f"Command: `{cmdline}`. {{model}}, context {a.context}, {a.samples} "
              f"samples per cell, seed {a.seed}. Budget = entries per (layer, KV head), "
              "window included."]
+    measured = []
     for scenario in a.scenarios.split(","):
         recs = json.loads(run_scenario(a, scenario, a.out).read_text())["records"]
+        measured += recs
         order = ["full", *(m for pair in PAIRS for m in pair)]
         recs = sorted(recs, key=lambda r: (order.index(r["method"]), r["budget"] or 0))
         parts += ["", f"## Accuracy (%), {scenario.replace('_', '-')}", "",
@@ -163,7 +165,8 @@ def main(argv=None) -> int:
               "samples; same budget for both; `all`: the sum over layers and the number of "
               "layers where the critical form is lower.", "",
               perturbation_table(a)]
-    text = "\n".join(parts) + "\n"
+    model = report.model_line(measured)
+    text = ("\n".join(parts) + "\n").replace("{model}", model[0].upper() + model[1:], 1)
     (a.out / "criticalkv.md").write_text(text)
     print(text)
     return 0

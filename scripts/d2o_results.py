@@ -29,6 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kvjax import api, engine, methods, report  # noqa: E402
+from kvjax.models.checkpoint import provenance  # noqa: E402
 from kvjax.tasks.haystack import long_text  # noqa: E402
 
 METHODS = ["full", "streaming_llm", "h2o", "roco", "cam", "pyramidkv", "d2o", "d2o:merge=false"]
@@ -128,12 +129,13 @@ def main() -> None:
                 print(ppl[-1], file=sys.stderr)
 
     missing = [x for x in a.methods if split(x)[0] not in methods.names()]
+    ppl_weights = {"model": model.name, "model_weights": provenance(model.path)}
     parts = ["# D2O: accuracy and long-text perplexity", "",
              f"Command: `python scripts/d2o_results.py --model {a.model} --samples {a.samples} "
              f"--seed {a.seed} --methods {','.join(a.methods)} --tasks {a.tasks} "
              f"--context {a.context} --ratios {','.join(map(str, a.ratios))} "
              f"--ppl-tokens {a.ppl_tokens} --prompt {a.prompt} --ppl-split {a.ppl_split} "
-             f"--out {a.out}`", ""]
+             f"--out {a.out}`; {report.model_line(acc + [ppl_weights])}.", ""]
     if missing:
         parts += [f"Not run (not registered): {', '.join(missing)}", ""]
     if acc:

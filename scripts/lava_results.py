@@ -71,7 +71,8 @@ def heatmaps(a) -> list[str]:
 def write_report(records: list[dict], a) -> str:
     parts = ["# LAVa and CAKE vs SnapKV, PyramidKV, Ada-SnapKV",
              "", f"Measured by `python scripts/lava_results.py --model {a.model} --samples "
-             f"{a.samples} --budgets {a.budgets} --context {a.context} --tasks {a.tasks}`. "
+             f"{a.samples} --budgets {a.budgets} --context {a.context} --tasks {a.tasks}`; "
+             f"{report.model_line(records)}. "
              "Accuracy in %; budget = KV entries per (layer, KV head) on average, window "
              "included (LAVa/CAKE share `budget * L * K` over layers and heads)."]
     for scenario in SCENARIOS:

@@ -12,6 +12,7 @@ import pytest
 import kvjax
 from kvjax import run as cli
 from kvjax.config import ModelConfig
+from kvjax.models import checkpoint
 from kvjax.train import export_model, init_params
 
 CFG = ModelConfig(family="llama", vocab_size=1408, hidden_size=32, intermediate_size=64,
@@ -87,6 +88,9 @@ def test_cli_run_writes_records(model_dir, tmp_path):
         assert r["samples"] == 3 and len(r["details"]) == 3 and 0 <= r["accuracy"] <= 1
         assert r["versions"]["jax"] == jax.__version__
         assert r["kv_fraction"] == pytest.approx(1.0)
+        # the weights the figures belong to (a retrained model must not pass for this one)
+        assert r["model_weights"] == {"sha256": checkpoint.weights_sha256(model_dir),
+                                      "trained_steps": None}
 
 
 def test_cli_drops_executables_between_methods(model_dir, tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ there with the shape the config implies; anything else is an error that names it
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -152,3 +153,26 @@ def save_hf(path: str | Path, cfg: ModelConfig, params: Params, extra_config: di
     hf["torch_dtype"] = str(np.asarray(params["embed"]).dtype)
     hf.update(extra_config or {})
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+
+
+def weights_sha256(model_dir: str | Path) -> str | None:
+    """sha256 of the checkpoint's safetensors files: which weights a result belongs to."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def provenance(model_dir: str | Path | None) -> dict:
+    """{"sha256", "trained_steps"} of a checkpoint directory (None where unknown): results
+    name the weights they were measured on, so a retrained model cannot pass for the old."""
+    if model_dir is None:
+        return {"sha256": None, "trained_steps": None}
+    import yaml
+
+    cfg = Path(model_dir) / "train_config.yaml"
+    steps = (yaml.safe_load(cfg.read_text()) or {}).get("trained_steps") if cfg.exists() else None
+    return {"sha256": weights_sha256(model_dir), "trained_steps": steps}
