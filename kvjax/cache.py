@@ -136,6 +136,21 @@ def pad_capacity(cache: KVCache, capacity: int) -> KVCache:
     )
 
 
+def live_extent(cache: KVCache) -> int:
+    """1 + the last slot live in any (layer, element, head): host-side, it syncs."""
+    used = np.flatnonzero(np.asarray(cache.valid).any(axis=(0, 1, 2)))
+    return int(used[-1]) + 1 if used.size else 0
+
+
+def shrink(cache: KVCache, slots: int, capacity: int) -> KVCache:
+    """Keep the first `slots` slots (every live one must be among them: `live_extent`),
+    append from there, and pad to `capacity` for what comes next."""
+    cut = lambda x: x[:, :, :, :slots]  # noqa: E731
+    cache = dataclasses.replace(cache, k=cut(cache.k), v=cut(cache.v), pos=cut(cache.pos),
+                                valid=cut(cache.valid), end=jnp.asarray(slots, jnp.int32))
+    return pad_capacity(cache, capacity)
+
+
 def kv_bytes(cache: KVCache) -> dict[str, int]:
     """Live bytes (what a paged allocator would hold) and allocated bytes (this layout)."""
     per_slot = 2 * cache.k.shape[-1] * cache.k.dtype.itemsize

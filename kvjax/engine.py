@@ -97,6 +97,11 @@ def prefill(params, tokens_BT, valid_BT, *, cfg: ModelConfig, method: Method, ca
     return transformer.unembed(params, cfg, x_BD), cache, state, stats
 
 
+@partial(jax.jit, static_argnames=("slots", "capacity"))
+def _shrink(cache, *, slots: int, capacity: int):
+    return kvcache.shrink(cache, slots, capacity)
+
+
 def _extend(params, cache: kvcache.KVCache, tokens_BT, valid_BT, cfg, method, state):
     B, T = tokens_BT.shape
     pos_BT = positions(valid_BT, cache.next_pos)
@@ -214,8 +219,12 @@ def run(
     stop_ids: tuple[int, ...] | None = None,
     seed: int = 0,
     batch_sharding=None,
+    shrink: bool = True,
 ) -> Generation:
     """Compress each prompt (and, context-only, append its question), then decode.
+
+    `shrink`: drop the slots no head uses before decoding, for methods that only append
+    while decoding (same tokens, less to attend over); False keeps the prefill's layout.
 
     Timings exclude compilation: `compile_s` reports it separately (0 when cached).
     `batch_sharding` (see `kvjax.distributed`) places the token arrays across devices.
@@ -252,6 +261,18 @@ def run(
     t0 = time.perf_counter()
     logits, cache, state, stats = _block(pre(params, tokens, valid))
     ttft = time.perf_counter() - t0
+    if shrink and method.static_after_prefill():
+        # Methods with per-head or per-layer budgets (AdaKV, PyramidKV, LAVa, CAKE, HeadKV)
+        # allocate room for the most any head could keep; decoding over the dead slots
+        # would cost as much as the full cache. Drop them (a bucketed count: few shapes).
+        t0, c = time.perf_counter(), 0.0
+        slots = bucket(max(kvcache.live_extent(cache), 1), 1)
+        if slots < cache.capacity - Tq - max_new_tokens:
+            cut, c = compile_once(_shrink, (cache,), slots=slots,
+                                  capacity=slots + Tq + max_new_tokens)
+            cache = _block(cut(cache))
+        compile_s += c
+        ttft += time.perf_counter() - t0 - c
     if questions:
         qt, qv = pad_left(questions, Tq, cfg.pad_token_id)
         if batch_sharding is not None:

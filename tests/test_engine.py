@@ -214,3 +214,41 @@ def test_clear_compiled_drops_the_engines_executables(params):
     engine.run(params, CFG, [_prompt(30)], max_new_tokens=4, stop_ids=())
     # prefill and decode compiled afresh (and the small jitted helpers jax dropped)
     assert len(engine._EXECUTABLES) == 2 and len(_COMPILES) >= 2
+
+
+@pytest.mark.parametrize("name", ["ada_snapkv", "pyramidkv", "lava", "cake"])
+@pytest.mark.parametrize("scenario", ["question_aware", "context_only"])
+def test_dead_slots_are_dropped_before_decoding(params, name, scenario):
+    """Per-head and per-layer budgets leave slots no head uses; decoding without them gives
+    the same tokens from the same live entries, over a smaller cache."""
+    m = methods.create(name, budget=24, window=8)
+    prompts, kw = [_prompt(100, seed=3), _prompt(71, seed=4)], {}
+    if scenario == "context_only":
+        kw["questions"] = [_prompt(9, seed=5), _prompt(5, seed=6)]
+    a = engine.run(params, CFG, prompts, m, max_new_tokens=8, stop_ids=(), **kw)
+    b = engine.run(params, CFG, prompts, m, max_new_tokens=8, stop_ids=(), shrink=False, **kw)
+    assert a.tokens == b.tokens
+    assert a.stats["kv_bytes_live"] == b.stats["kv_bytes_live"]
+    assert a.stats["kv_bytes_allocated"] < b.stats["kv_bytes_allocated"]
+    for c in (a.cache, b.cache):  # every live entry, with its key, in either layout
+        assert kvcache.live_extent(c) <= c.capacity
+
+    def entries(c):
+        valid = np.asarray(c.valid)
+        idx = np.nonzero(valid)
+        order = np.lexsort((np.asarray(c.pos)[idx], idx[2], idx[1], idx[0]))
+        return (np.stack(idx[:3])[:, order], np.asarray(c.pos)[idx][order],
+                np.asarray(c.k)[idx][order])
+
+    (ia, pa, ka), (ib, pb, kb) = entries(a.cache), entries(b.cache)
+    np.testing.assert_array_equal(ia, ib)
+    np.testing.assert_array_equal(pa, pb)
+    # the prompt's keys are moved, not recomputed; the decoded tokens' keys come from
+    # softmaxes summed over fewer (dead, zero-weight) slots: fp32 reordering, ~3e-6 seen
+    np.testing.assert_allclose(ka, kb, rtol=0, atol=2e-5)
+
+
+def test_only_append_only_methods_are_shrunk():
+    assert methods.create("ada_snapkv").static_after_prefill()
+    for name in ("h2o", "streaming_llm", "tova", "d2o", "sliminfer"):
+        assert not methods.create(name).static_after_prefill(), name

@@ -12,6 +12,10 @@ during prefill and the live KV after it, as fractions of the full cache.
 
     python -m kvjax.bench.prefill --contexts 1024,2048 --methods full,snapkv,ada_snapkv,cake,lava
     python -m kvjax.bench.prefill --contexts 1024,2048 --methods cake,lava --set cascade=false
+
+`alloc_kv` is the cache decoding runs over, as a fraction of the full cache; `--no-shrink`
+adds a row per method that decodes over the prefill's layout (`engine.run(shrink=False)`):
+room for one head taking the whole budget, as the cache was before dead slots were dropped.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a hyperparameter of the methods that have it")
+    p.add_argument("--no-shrink", action="store_true",
+                   help="also time each method without dropping dead slots before decoding")
     a = p.parse_args(argv)
     contexts = [int(c) for c in a.contexts.split(",")]
     model = model_for(a.model, max(contexts))
@@ -66,20 +72,22 @@ def main(argv=None) -> int:
     print(f"model={model.name} layers={L} device={jax.devices()[0].device_kind} jax={jax.__version__}")
     print(f"{'context':>7} {'method':>16} {'compile_s':>9} {'ttft_ms':>9} {'vs_full':>7} "
           f"{'sel_layer':>9} {'appB_pred':>9} {'tpot_ms':>8} {'tpot_vs_full':>12} {'peak_kv':>7} "
-          f"{'live_kv':>7}")
+          f"{'live_kv':>7} {'alloc_kv':>8}")
     for n in contexts:
         s = tasks.generate(a.task, context_length=n, n=1, seed=0)[0]
         ids = model.encode(s.prompt) if model.tokenizer is not None else \
             list(np.random.default_rng(0).integers(3, model.cfg.vocab_size, n))
         k = max(int(n * a.budget), 64)
         base = None
-        for name in a.methods.split(","):
+        rows = [(x, True) for x in a.methods.split(",")]
+        rows += [(x, False) for x in a.methods.split(",") if a.no_shrink and x != "full"]
+        for name, shrink in rows:
             fields = {f.name for f in dataclasses.fields(methods.get(name))}
             m = methods.create(name, **{key: v for key, v in overrides(a.set).items()
                                         if key in fields})
             m = m if name == "full" else m.with_budget(k)
             runs = [engine.run(model.params, model.cfg, [ids], m, max_new_tokens=a.decode_tokens,
-                               stop_ids=()) for _ in range(a.repeats + 1)]
+                               stop_ids=(), shrink=shrink) for _ in range(a.repeats + 1)]
             ttft = statistics.median(r.stats["ttft_s"] for r in runs[1:])
             tpot = statistics.median(r.stats["tpot_s"] for r in runs[1:])
             base = (ttft, tpot) if name == "full" else base
@@ -92,9 +100,11 @@ def main(argv=None) -> int:
             full = float(np.sum(st["kv_bytes_full"]))
             peak = f"{np.sum(st['peak_live_kv_bytes']) / full:7.3f}" \
                 if "peak_live_kv_bytes" in st else "      -"
-            print(f"{n:>7} {name:>16} {runs[0].stats['compile_s']:>9.2f} {ttft * 1e3:>9.1f} {rel} "
+            label = name if shrink else f"{name}/noshrink"
+            print(f"{n:>7} {label:>16} {runs[0].stats['compile_s']:>9.2f} {ttft * 1e3:>9.1f} {rel} "
                   f"{sel:>9} {pred:>9.3f} {tpot * 1e3:>8.2f} {relt} {peak} "
-                  f"{np.sum(st['kv_bytes_live']) / full:7.3f}", flush=True)
+                  f"{np.sum(st['kv_bytes_live']) / full:7.3f} "
+                  f"{np.sum(st['kv_bytes_allocated']) / full:8.3f}", flush=True)
     return 0
 
 

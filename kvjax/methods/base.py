@@ -113,3 +113,11 @@ class Method:
 
     def decode_driver(self):
         return None
+
+    def static_after_prefill(self) -> bool:
+        """True when decoding only appends (no decode-time hooks, state or slots): then
+        the dead slots the prefill left may be dropped before decoding (`engine.run`)."""
+        cls = type(self)
+        return (self.decode_layer is None and self.decode_driver() is None
+                and cls.decode_slots is Method.decode_slots and cls.pad_state is Method.pad_state
+                and cls.decode_capacity is Method.decode_capacity)
