@@ -14,11 +14,10 @@ Writes `kvjax/assets/head_scores/<model name>.json`: the [layers, query heads] s
 model's config (how `headkv` finds the file) and the sha256 of its weights (tests check the
 bundled file still matches the bundled weights).
 
-NOTE: on the bundled `tiny-retrieval` (step 4100, MODEL.md; niah_single 95% at 1024 tokens
-with the full cache) the four query heads of layer 1 lead with reason scores 0.49 / 0.44 /
-0.43 / 0.39 (the second layer of the 2-layer part of its training, where induction
-formed), then layer 8 head 0 at 0.03. Recompute them (this script, ~15 s) whenever the
-model is re-exported;
+NOTE: on the bundled `tiny-retrieval` (step 5700, MODEL.md) the four query heads of layer 1
+lead with reason scores 0.61 / 0.59 / 0.55 / 0.52 (the second layer of the 2-layer part of
+its training, where induction formed), then layer 9 head 3 at 0.07. Recompute them (this
+script, ~10 s) whenever the model is re-exported;
 `tests/test_headkv.py` fails while the file's weights hash differs from the bundled weights.
 """
 
