@@ -43,7 +43,6 @@ from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.config import ModelConfig
 from kvjax.models import attention, transformer
-from kvjax.models.checkpoint import weights_sha256  # noqa: F401  (scores name their weights)
 
 SCORES_DIR = Path(__file__).resolve().parent / "assets" / "head_scores"
 SCORE_KINDS = ("reason", "copy")

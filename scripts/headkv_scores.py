@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvjax import headkv, tasks  # noqa: E402
+from kvjax.models.checkpoint import weights_sha256  # noqa: E402
 from kvjax.tasks import tokenizer as task_tok  # noqa: E402
 
 TASKS = ("niah_single", "niah_multikey", "passkey")  # tasks whose answer sits in needle 0
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
         "contexts": contexts,
         "samples": args.samples,
         "seed": args.seed,
-        "weights_sha256": headkv.weights_sha256(model.path),
+        "weights_sha256": weights_sha256(model.path),
         "config": model.cfg.to_hf(),
         "head_scores": [[round(float(x), 6) for x in row] for row in scores],
     }

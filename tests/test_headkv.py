@@ -21,7 +21,7 @@ import pytest
 
 from kvjax import engine, headkv, methods
 from kvjax.methods.lava import lava_scores
-from kvjax.models import transformer
+from kvjax.models import checkpoint, transformer
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")
@@ -249,7 +249,7 @@ def test_bundled_scores_match_bundled_weights():
     import kvjax.api
 
     data = json.loads((headkv.SCORES_DIR / "tiny-retrieval.json").read_text())
-    want = headkv.weights_sha256(kvjax.api.BUNDLED_DIR / "tiny-retrieval")
+    want = checkpoint.weights_sha256(kvjax.api.BUNDLED_DIR / "tiny-retrieval")
     assert data["weights_sha256"] == want, (
         "kvjax/assets/head_scores/tiny-retrieval.json was computed for other weights than the "
         "bundled model's: run `python scripts/headkv_scores.py --model tiny-retrieval`")
