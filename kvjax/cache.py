@@ -136,10 +136,10 @@ def pad_capacity(cache: KVCache, capacity: int) -> KVCache:
     )
 
 
-def live_extent(cache: KVCache) -> int:
-    """1 + the last slot live in any (layer, element, head): host-side, it syncs."""
-    used = np.flatnonzero(np.asarray(cache.valid).any(axis=(0, 1, 2)))
-    return int(used[-1]) + 1 if used.size else 0
+def live_extent(cache: KVCache) -> Int[Array, ""]:
+    """1 + the last slot live in any (layer, element, head); 0 for an empty cache."""
+    slot_C = jnp.arange(1, cache.capacity + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(cache.valid, slot_C, 0))
 
 
 def shrink(cache: KVCache, slots: int, capacity: int) -> KVCache:

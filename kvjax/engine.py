@@ -83,6 +83,9 @@ def sample(logits_BV: Array, rng: Array, sampling: Sampling) -> Int[Array, "B"]:
 # ---- compiled pieces ------------------------------------------------------------------------
 
 
+_LIVE_EXTENT = "_live_extent"  # engine-internal prefill output, popped by `run`
+
+
 @partial(jax.jit, static_argnames=("cfg", "method", "capacity"))
 def prefill(params, tokens_BT, valid_BT, *, cfg: ModelConfig, method: Method, capacity: int):
     """Prefill + compression: last-token logits [B, V], cache, method state, method stats."""
@@ -94,6 +97,8 @@ def prefill(params, tokens_BT, valid_BT, *, cfg: ModelConfig, method: Method, ca
     cache = kvcache.KVCache(*kv, end=jnp.asarray(kept, jnp.int32), next_pos=next_pos)
     cache = kvcache.pad_capacity(cache, capacity)
     state = method.pad_state(state, capacity)
+    # reduced here, inside the compiled prefill: `run` reads one integer, not the mask
+    stats = {**stats, _LIVE_EXTENT: kvcache.live_extent(cache)}
     return transformer.unembed(params, cfg, x_BD), cache, state, stats
 
 
@@ -261,12 +266,13 @@ def run(
     t0 = time.perf_counter()
     logits, cache, state, stats = _block(pre(params, tokens, valid))
     ttft = time.perf_counter() - t0
+    extent = stats.pop(_LIVE_EXTENT)
     if shrink and method.static_after_prefill():
         # Methods with per-head or per-layer budgets (AdaKV, PyramidKV, LAVa, CAKE, HeadKV)
         # allocate room for the most any head could keep; decoding over the dead slots
         # would cost as much as the full cache. Drop them (a bucketed count: few shapes).
         t0, c = time.perf_counter(), 0.0
-        slots = bucket(max(kvcache.live_extent(cache), 1), 1)
+        slots = bucket(max(int(extent), 1), 1)
         if slots < cache.capacity - Tq - max_new_tokens:
             cut, c = compile_once(_shrink, (cache,), slots=slots,
                                   capacity=slots + Tq + max_new_tokens)

@@ -113,11 +113,16 @@ def results_parser(doc: str | None, out: Path, samples: int = 50) -> argparse.Ar
     return p
 
 
+def _weights(r: dict) -> tuple:
+    """(sha256, trained_steps) of a record; (None, None) for records older than the field."""
+    w = r.get("model_weights") or {}
+    return w.get("sha256"), w.get("trained_steps")
+
+
 def model_line(records: Iterable[dict]) -> str:
     """The weights a set of records was measured on, for a results document's header;
     records of different weights in one document are refused."""
-    seen = {(r["model"], (r.get("model_weights") or {}).get("sha256"),
-             (r.get("model_weights") or {}).get("trained_steps")) for r in records}
+    seen = {(r["model"], *_weights(r)) for r in records}
     if len(seen) != 1:
         raise ValueError(f"records of {len(seen)} different models or weights {sorted(seen, key=str)}: "
                          "re-measure them on one")
@@ -144,7 +149,7 @@ def run_once(path: Path, args: list[str], cwd: Path) -> Path:
     import sys
 
     if path.exists():
-        got = {(r.get("model_weights") or {}).get("sha256") for r in load_records(path)}
+        got = {_weights(r)[0] for r in load_records(path)}
         want = _weights_of(args)
         if got != {want}:
             raise ValueError(f"{path} holds records of weights {sorted(got, key=str)}, not of "

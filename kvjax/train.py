@@ -384,8 +384,7 @@ def train(config_path: str | Path, workdir: str | Path, export: str | Path | Non
             with open(workdir / "train_log.jsonl", "a") as f:  # as it goes: a run may be cut off
                 f.write(json.dumps(rec) + "\n")
         if done % tc.checkpoint_every == 0 or done == stop:
-            mngr.save(done, args=ocp.args.Composite(
-                state=ocp.args.StandardSave({"params": params, "opt_state": opt_state})))
+            _save(mngr, done, params, opt_state)
     mngr.wait_until_finished()
     if export and (stop == tc.steps or export_early):
         export_model(export, cfg, params, {**raw, "trained_steps": stop})
@@ -432,10 +431,17 @@ def seed_from_export(config_path: str | Path, workdir: str | Path, export: str |
     if (mngr.latest_step() or 0) >= step:
         raise ValueError(f"{workdir} already holds step {mngr.latest_step()} >= {step}")
     opt_state = optimizer(tc, step - 1).init(params)  # replaced at `step`: a phase starts
-    mngr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave({"params": params, "opt_state": opt_state})))
+    _save(mngr, step, params, opt_state)
     mngr.wait_until_finished()
     return step
+
+
+def _save(mngr, step: int, params, opt_state) -> None:
+    """The checkpoint `restore` reads: params and optimizer state after `step` steps."""
+    import orbax.checkpoint as ocp
+
+    mngr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave({"params": params, "opt_state": opt_state})))
 
 
 def export_model(path: str | Path, cfg: ModelConfig, params: dict, raw: dict) -> None:

@@ -133,7 +133,8 @@ def write_report(records: list[dict], a) -> str:
              f"--seed {a.seed} --budgets {a.budgets} --context {a.context} --tasks {a.tasks} "
              f"--methods {a.methods}{''.join(f' --set {kv}' for kv in a.set)} --out {out}`"
              + f"; {report.model_line(records)}. Question-aware; budget = select_k = KV entries "
-             "per (layer, KV head), window included (FastKV: its KV budget; it propagates `tsp_rate` of the prompt).", "",
+             "per (layer, KV head), window included (FastKV: its KV budget; it propagates "
+             "`tsp_rate` of the prompt).", "",
              "## Accuracy (%)", "",
              report.markdown_table(records, report.method_label,
                                    lambda r: f"{r['task']} @{r['context_length']}",

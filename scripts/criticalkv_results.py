@@ -132,14 +132,14 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     cmdline = "python scripts/criticalkv_results.py " + " ".join(sys.argv[1:] if argv is None
                                                                   else argv)
+    measured = {s: json.loads(run_scenario(a, s, a.out).read_text())["records"]
+                for s in a.scenarios.split(",")}
+    model = report.model_line([r for recs in measured.values() for r in recs])
     parts = ["# CriticalKV: base methods vs their critical form", "",
-             f"Command: `{cmdline}`. {{model}}, context {a.context}, {a.samples} "
-             f"samples per cell, seed {a.seed}. Budget = entries per (layer, KV head), "
-             "window included."]
-    measured = []
-    for scenario in a.scenarios.split(","):
-        recs = json.loads(run_scenario(a, scenario, a.out).read_text())["records"]
-        measured += recs
+             f"Command: `{cmdline}`. {model[0].upper() + model[1:]}, context {a.context}, "
+             f"{a.samples} samples per cell, seed {a.seed}. Budget = entries per (layer, KV "
+             "head), window included."]
+    for scenario, recs in measured.items():
         order = ["full", *(m for pair in PAIRS for m in pair)]
         recs = sorted(recs, key=lambda r: (order.index(r["method"]), r["budget"] or 0))
         parts += ["", f"## Accuracy (%), {scenario.replace('_', '-')}", "",
@@ -165,8 +165,7 @@ def main(argv=None) -> int:
               "samples; same budget for both; `all`: the sum over layers and the number of "
               "layers where the critical form is lower.", "",
               perturbation_table(a)]
-    model = report.model_line(measured)
-    text = ("\n".join(parts) + "\n").replace("{model}", model[0].upper() + model[1:], 1)
+    text = "\n".join(parts) + "\n"
     (a.out / "criticalkv.md").write_text(text)
     print(text)
     return 0

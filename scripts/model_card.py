@@ -50,8 +50,8 @@ def main() -> int:
     cmdline = " ".join(["python -m kvjax.run", *cmd[3:]]).replace(str(out), "card.json")
     body = (f"Measured by `python scripts/model_card.py --contexts {a.contexts} --samples "
             f"{a.samples}` (i.e. `{cmdline}`); {report.model_line(records)}; accuracy in %, "
-            f"{a.samples} samples per cell, "
-            f"question-aware, needle depths spread evenly.\n\n{table}\n\n"
+            f"{a.samples} samples per cell, question-aware, needle depths spread evenly."
+            f"\n\n{table}\n\n"
             + "\n".join(means.splitlines()[2:]).replace("| retrieval mean", "| **retrieval mean**"))
     report.replace_section(ROOT / "MODEL.md", "accuracy", body)
     print(body)
