@@ -3,7 +3,9 @@
     python scripts/model_card.py --contexts 1024,2048 --samples 50
 
 Runs `python -m kvjax.run --method full` over every task and context (question-aware) and
-replaces the table between the `accuracy` markers of MODEL.md with what it measured.
+replaces the table between the `accuracy` markers of MODEL.md with what it measured: the
+accuracy per task and context, the mean over the retrieval tasks, and that mean by the
+depth of the (first) needle, which says whether a miss is a matter of distance.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def main() -> int:
         out = Path(d) / "card.json"
         cmd = [sys.executable, "-m", "kvjax.run", "--model", a.model, "--method", "full",
                "--task", ",".join(tasks.names()), "--context", a.contexts,
-               "--samples", str(a.samples), "--output", str(out)]
+               "--samples", str(a.samples), "--details", "--output", str(out)]
         subprocess.run(cmd, check=True, cwd=ROOT)
         records = json.loads(out.read_text())["records"]
     kinds = {n: tasks.get(n).kind for n in tasks.names()}
@@ -47,15 +49,33 @@ def main() -> int:
     means = report.markdown_table(mean, lambda r: "retrieval mean",
                                   lambda r: r["context_length"], lambda r: 100 * r["accuracy"],
                                   fmt="{:.1f}")
+    by_depth = report.markdown_table(
+        [{"context_length": c, "bin": b, "accuracy": acc} for c, b, acc in depth_bins(retrieval)],
+        lambda r: r["bin"], lambda r: r["context_length"], lambda r: 100 * r["accuracy"],
+        fmt="{:.0f}", row_name="needle depth")
     cmdline = " ".join(["python -m kvjax.run", *cmd[3:]]).replace(str(out), "card.json")
     body = (f"Measured by `python scripts/model_card.py --contexts {a.contexts} --samples "
             f"{a.samples}` (i.e. `{cmdline}`); {report.model_line(records)}; accuracy in %, "
             f"{a.samples} samples per cell, question-aware, needle depths spread evenly."
-            f"\n\n{table}\n\n"
-            + "\n".join(means.splitlines()[2:]).replace("| retrieval mean", "| **retrieval mean**"))
+            f"\n\n{table}\n"
+            + "\n".join(means.splitlines()[2:]).replace("| retrieval mean", "| **retrieval mean**")
+            + "\n\nThe retrieval mean by the depth of the needle (0 = the start of the context, "
+            f"farthest from the question), over all retrieval tasks:\n\n{by_depth}")
     report.replace_section(ROOT / "MODEL.md", "accuracy", body)
     print(body)
     return 0
+
+
+def depth_bins(records: list[dict], bins: int = 5) -> list[tuple[int, str, float]]:
+    """(context, depth range, accuracy over every sample of `records` in it): `kvjax.run
+    --details` records each sample's needle depth."""
+    out = []
+    for c in sorted({r["context_length"] for r in records}):
+        rows = [d for r in records if r["context_length"] == c for d in r["details"]]
+        for b in range(bins):
+            hit = [d["score"] for d in rows if min(int(d["depth"] * bins), bins - 1) == b]
+            out.append((c, f"{b / bins:.1f}-{(b + 1) / bins:.1f}", float(np.mean(hit))))
+    return out
 
 
 if __name__ == "__main__":
