@@ -14,9 +14,9 @@ Writes `kvjax/assets/head_scores/<model name>.json`: the [layers, query heads] s
 model's config (how `headkv` finds the file) and the sha256 of its weights (tests check the
 bundled file still matches the bundled weights).
 
-NOTE: on the bundled `tiny-retrieval` (step 5700, MODEL.md) the four query heads of layer 1
-lead with reason scores 0.61 / 0.59 / 0.55 / 0.52 (the second layer of the 2-layer part of
-its training, where induction formed), then layer 9 head 3 at 0.07. Recompute them (this
+NOTE: on the bundled `tiny-retrieval` (step 6700, MODEL.md) the four query heads of layer 1
+lead with reason scores 0.61 / 0.56 / 0.51 / 0.50 (the second layer of the 2-layer part of
+its training, where induction formed), then layer 9 head 3 at 0.06. Recompute them (this
 script, ~10 s) whenever the model is re-exported;
 `tests/test_headkv.py` fails while the file's weights hash differs from the bundled weights.
 """
