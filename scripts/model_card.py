@@ -49,10 +49,9 @@ def main() -> int:
     means = report.markdown_table(mean, lambda r: "retrieval mean",
                                   lambda r: r["context_length"], lambda r: 100 * r["accuracy"],
                                   fmt="{:.1f}")
-    by_depth = report.markdown_table(
-        [{"context_length": c, "bin": b, "accuracy": acc} for c, b, acc in depth_bins(retrieval)],
-        lambda r: r["bin"], lambda r: r["context_length"], lambda r: 100 * r["accuracy"],
-        fmt="{:.0f}", row_name="needle depth")
+    by_depth = report.markdown_table(depth_bins(retrieval), lambda r: r["depth"],
+                                     lambda r: r["context_length"], lambda r: 100 * r["accuracy"],
+                                     fmt="{:.0f}", row_name="needle depth")
     cmdline = " ".join(["python -m kvjax.run", *cmd[3:]]).replace(str(out), "card.json")
     body = (f"Measured by `python scripts/model_card.py --contexts {a.contexts} --samples "
             f"{a.samples}` (i.e. `{cmdline}`); {report.model_line(records)}; accuracy in %, "
@@ -66,16 +65,16 @@ def main() -> int:
     return 0
 
 
-def depth_bins(records: list[dict], bins: int = 5) -> list[tuple[int, str, float]]:
-    """(context, depth range, accuracy over every sample of `records` in it): `kvjax.run
-    --details` records each sample's needle depth."""
-    out = []
-    for c in sorted({r["context_length"] for r in records}):
-        rows = [d for r in records if r["context_length"] == c for d in r["details"]]
-        for b in range(bins):
-            hit = [d["score"] for d in rows if min(int(d["depth"] * bins), bins - 1) == b]
-            out.append((c, f"{b / bins:.1f}-{(b + 1) / bins:.1f}", float(np.mean(hit))))
-    return out
+def depth_bins(records: list[dict], bins: int = 5) -> list[dict]:
+    """One record per (context, depth range): the accuracy over every sample of `records`
+    whose needle lies in that range (`kvjax.run --details` records each sample's depth)."""
+    scores: dict[tuple, list] = {}
+    for r in records:
+        for d in r["details"]:
+            b = min(int(d["depth"] * bins), bins - 1)
+            scores.setdefault((r["context_length"], b), []).append(d["score"])
+    return [{"context_length": c, "depth": f"{b / bins:.1f}-{(b + 1) / bins:.1f}",
+             "accuracy": float(np.mean(v))} for (c, b), v in sorted(scores.items())]
 
 
 if __name__ == "__main__":
