@@ -2,7 +2,8 @@
 
 Why word level: a ~5M-parameter model cannot afford to spend capacity on sub-word spelling.
 Every word of the shipped lists is one token, every digit is one token (numbers are copied
-digit by digit, as with Llama's tokenizer), and punctuation marks are single tokens.
+digit by digit, as with the Qwen2/Qwen3 and Llama 2 tokenizers; Llama 3's groups up to three
+digits), and punctuation marks are single tokens.
 
 Ids: `<pad>`=0, `<bos>`=1, `<eos>`=2, `<unk>`=3, then the digits 0..9, then the punctuation
 marks of `vocab.PUNCTUATION`, then every word (sorted). Encoding adds NO special token: the
