@@ -17,7 +17,11 @@
 
 Tolerance: fp32, rtol = 2e-5, atol = 5e-5 on keys/values (HF and kvjax projections differ
 by fp32 rounding; a decoded token's key at layer l went through l layers of both: seen up to
-3e-5 absolute on entries of magnitude ~5).
+3e-5 absolute on entries of magnitude ~5). The same on RoCo's moments s, s2 (sums of up to
+N + STEPS attention probabilities, each computed over those keys): seen up to 1.1e-5
+absolute on s and 3.3e-6 on s2 (values 0.07-3.6) on an AMD EPYC machine, where the earlier
+rtol 1e-5 / atol 1e-6 failed on one entry of 0.074 (2.1e-6 off) although an earlier machine
+passed it. A missed or doubled step moves an entry by one probability, ~1/N = 2e-2.
 """
 
 from __future__ import annotations
@@ -156,7 +160,7 @@ def _compare(cache, R, state=None, fields=()):
                                        rtol=2e-5, atol=5e-5)
             for f in fields:
                 np.testing.assert_allclose(np.asarray(state[f][l, 0, h])[val][o], r[f],
-                                           rtol=1e-5, atol=1e-6)
+                                           rtol=2e-5, atol=5e-5)
 
 
 def _caches(R):
