@@ -248,21 +248,28 @@ def test_budget_equal_context_is_full(pair):
     assert dataclasses.replace(methods.SnapKV(), budget=n).kept_slots(n) == n
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", ["snapkv", "ada_snapkv", "tova", "streaming_llm"])
-def test_bundled_model(case):
-    """The bundled model on a real task prompt, kvpress's own defaults (window 64, avgpool
-    5) at budget 128 of a ~1024-token context: kept sets and next-token logits."""
+@pytest.fixture(scope="module")
+def bundled():
+    """The bundled model in kvjax and in HF transformers (fp32), from the same files."""
     import kvjax
-    from kvjax import tasks
 
     path = kvjax.api.BUNDLED_DIR / "tiny-retrieval"
     if not (path / "config.json").exists():
         pytest.skip("the bundled model is not in this checkout")
     import transformers
 
-    model = kvjax.load("tiny-retrieval")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return kvjax.load("tiny-retrieval"), hf
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["snapkv", "ada_snapkv", "tova", "streaming_llm"])
+def test_bundled_model(case, bundled):
+    """The bundled model on a real task prompt, kvpress's own defaults (window 64, avgpool
+    5) at budget 128 of a ~1024-token context: kept sets and next-token logits."""
+    from kvjax import tasks
+
+    model, hf = bundled
     s = tasks.generate("niah_multikey", context_length=1024, n=1, seed=0)[0]
     ctx = np.array([model.encode(s.context)])
     q = np.array([model.encode(s.question, bos=False)])
@@ -326,25 +333,18 @@ def test_greedy_decode_after_compression(pair):
 
 
 @pytest.mark.slow
-def test_bundled_model_greedy_answers():
+def test_bundled_model_greedy_answers(bundled):
     """The bundled model, niah_single at ~1024 tokens, SnapKV at budget 64 (kvpress's
     avgpool, window 32, kernel 7): kvjax's generated answers equal kvpress + HF greedy
     decoding token for token, wrong digits included (seen: all four samples lose their
     answer's later digits the same way on both sides: the model's, not the engine's)."""
-    import kvjax
     from kvjax import tasks
 
-    path = kvjax.api.BUNDLED_DIR / "tiny-retrieval"
-    if not (path / "config.json").exists():
-        pytest.skip("the bundled model is not in this checkout")
-    import transformers
-
-    model = kvjax.load("tiny-retrieval")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model, hf = bundled
     hf.set_attn_implementation("eager")
+    b = 64
     for s in tasks.generate("niah_single", context_length=1024, n=4, seed=0):
         ids = model.encode(s.prompt)
-        b = 64
         press = kvpress.SnapKVPress(compression_ratio=1 - b / len(ids), window_size=32,
                                     kernel_size=7)
         assert kvpress.utils.compute_n_kept(len(ids), 1 - b / len(ids)) == b
