@@ -6,8 +6,8 @@
 One `python -m kvjax.run` per scenario over methods x budgets x tasks (records in
 `<out>/lava_<scenario>.json`, not re-run when present), then `<out>/lava.md`: accuracy
 per method @ budget per task and scenario, accuracy-vs-budget plots, and a heat map of
-the layer x KV-head live slots LAVa chose on one sample of each task (`engine.run` stats
-`layer_budgets`). Budgets 64..512 per head at 2048 tokens: the smallest is ~3% of the
+the layer x KV-head live slots LAVa chose on one sample of each task, with LAVa's and
+CAKE's per-layer totals beside each other (`engine.run` stats `layer_budgets`). Budgets 64..512 per head at 2048 tokens: the smallest is ~3% of the
 context. Every number comes from a measured record.
 """
 
@@ -37,19 +37,22 @@ def run_scenario(a, scenario: str) -> Path:
 
 
 def heatmaps(a) -> list[str]:
-    """LAVa's live slots [L, K] on the first sample of each task (question-aware)."""
+    """LAVa's live slots [L, K] and LAVa's and CAKE's per-layer totals on the first
+    sample of each task (question-aware)."""
     plt = report.pyplot()
     from kvjax import api, engine, methods, tasks
 
     model = api.load(a.model)
     budget = int(a.budgets.split(",")[0])
-    parts = []
+    parts, totals = [], {}
     for task in a.tasks.split(","):
         s = tasks.sample(task, int(a.context), np.random.default_rng(a.seed))
         ids = model.encode(s.context + s.question)
-        g = engine.run(model.params, model.cfg, [ids], methods.create("lava", budget=budget),
-                       max_new_tokens=0)
-        lb = np.asarray(g.stats["layer_budgets"])[0]  # [L, K]
+        for name in ("lava", "cake"):
+            g = engine.run(model.params, model.cfg, [ids], methods.create(name, budget=budget),
+                           max_new_tokens=0)
+            totals[name, task] = np.asarray(g.stats["layer_budgets"])[0]  # [L, K]
+        lb = totals["lava", task]
         parts += ["", f"LAVa @{budget}, {task}: live slots per layer (rows) x KV head:", "",
                   "| layer | " + " | ".join(f"h{h}" for h in range(lb.shape[1])) + " |",
                   "|" + "---|" * (lb.shape[1] + 1)]
@@ -65,6 +68,14 @@ def heatmaps(a) -> list[str]:
             fig.savefig(png, dpi=100, bbox_inches="tight")
             plt.close(fig)
             parts += ["", f"![{task}]({png.name})"]
+    # CAKE's layer budgets beside LAVa's: where each puts the shared budget
+    keys = [(m, t) for t in a.tasks.split(",") for m in ("lava", "cake")]
+    parts += ["", f"Live entries per layer, summed over KV heads, LAVa vs CAKE @{budget} "
+              f"(uniform: {budget * lb.shape[1]}), first sample of each task:", "",
+              "| layer | " + " | ".join(f"{m} {t}" for m, t in keys) + " |",
+              "|" + "---|" * (len(keys) + 1)]
+    parts += [f"| {l} | " + " | ".join(str(totals[k][l].sum()) for k in keys) + " |"
+              for l in range(lb.shape[0])]
     return parts
 
 
