@@ -7,8 +7,9 @@ One `python -m kvjax.run` per scenario over methods x budgets x tasks (records i
 `<out>/lava_<scenario>.json`, not re-run when present), then `<out>/lava.md`: accuracy
 per method @ budget per task and scenario, accuracy-vs-budget plots, and a heat map of
 the layer x KV-head live slots LAVa chose on one sample of each task, with LAVa's and
-CAKE's per-layer totals beside each other (`engine.run` stats `layer_budgets`). Budgets 64..512 per head at 2048 tokens: the smallest is ~3% of the
-context. Every number comes from a measured record.
+CAKE's per-layer totals beside each other (`engine.run` stats `layer_budgets`). Budgets
+64..512 per head at 2048 tokens: the smallest is ~3% of the context. Every number comes
+from a measured record.
 """
 
 from __future__ import annotations
