@@ -76,8 +76,9 @@ def main(argv=None) -> int:
         print(shown, file=sys.stderr)
         t0 = time.perf_counter()
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
-        parts += ["", f"## {name} (issue {issue})", "", f"{what}; {time.perf_counter() - t0:.0f} s.",
-                  "", "```", f"$ {shown}", out.rstrip(), "```"]
+        took = time.perf_counter() - t0
+        parts += ["", f"## {name} (issue {issue})", "", f"{what}; {took:.0f} s.", "", "```",
+                  f"$ {shown}", out.rstrip(), "```"]
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "speed.md").write_text("\n".join(parts) + "\n")
     print("\n".join(parts))
