@@ -1,7 +1,7 @@
 """The speed benchmarks the issues ask for, run one after another -> docs/results/speed.md.
 
     python scripts/speed_results.py                      # all of them (~30 min on 2 CPU cores)
-    python scripts/speed_results.py --only d2o --out /tmp/speed
+    python scripts/speed_results.py --only d2o --out /tmp/speed   # one part, to a new file
 
 Each entry is one `python -m kvjax.bench.<name>` whose printed output goes verbatim into
 the file under its command, beside the machine it ran on; every ratio is measured inside
@@ -40,6 +40,9 @@ BENCHES = (
     ("sliminfer", 11, "SlimInfer and LazyLLM vs full: TTFT, decode tokens/s, swaps and "
      "device KV (bundled model, up to its 4096 positions)",
      ["sliminfer", "--contexts", "1024,2048,4096"]),
+    ("sliminfer_8192", 11, "the same at 8192 (random weights, bundled architecture with "
+     "8192 positions: which blocks are kept differs, the schedule does not)",
+     ["sliminfer", "--model", "random", "--contexts", "2048,8192"]),
 )
 
 

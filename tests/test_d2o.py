@@ -7,8 +7,12 @@ threshold) after prefill and after every step; the decode hook on random cache c
 (both merge and discard branches forced); invariants; the merge=False == H2O equivalence;
 end-to-end runs.
 
-Reference tolerance: fp32, rtol = atol = 2e-5 on keys/values (HF and kvjax projections
-differ by fp32 rounding: seen up to 3e-5 absolute on values of magnitude ~4, 7e-6 relative).
+Reference tolerance: fp32, rtol = 2e-5, atol = 5e-5 on keys/values, as in test_roco_cam.
+HF and kvjax projections differ by fp32 rounding, and that absolute error does not shrink
+with the element: on an Intel Xeon, up to 4.3e-5 on entries of magnitude ~4 and 2.3e-5 on
+a key entry of 0.015 (atol 2e-5 failed there, on landed code; the worst entry uses 0.66 of
+the new tolerance). A wrong eviction or merge weight moves an entry by 1e-2 or more, so
+the test still catches them.
 
 Cost (compilation dominates): the fast tests share two compiled configurations (`CONFIGS`,
 same prompt length and capacity), so the hypothesis invariants reuse the reference test's
@@ -42,6 +46,7 @@ STEPS = 6
 # one compiled program per method for every fast test on the model (same N, capacity)
 CONFIGS = {"d2o": dict(budget=12), "d2o_code": dict(budget=20)}
 DIFFS: list[float] = []
+USE: list[float] = []
 
 
 @pytest.fixture(scope="module")
@@ -144,9 +149,10 @@ def _compare(cache, state, R):
             np.testing.assert_array_equal(pos[o], r["pos"])
             k = np.asarray(cache.k[l, 0, h])[val][o]
             v = np.asarray(cache.v[l, 0, h])[val][o]
-            np.testing.assert_allclose(k, r["k"], rtol=2e-5, atol=2e-5)
-            DIFFS.append(float(np.abs(v - r["v"]).max()))
-            np.testing.assert_allclose(v, r["v"], rtol=2e-5, atol=2e-5)
+            DIFFS.append(max(float(np.abs(k - r["k"]).max()), float(np.abs(v - r["v"]).max())))
+            USE.append(max(float((np.abs(x - y) / (5e-5 + 2e-5 * np.abs(y))).max()) for x, y in ((k, r["k"]), (v, r["v"]))))
+            np.testing.assert_allclose(k, r["k"], rtol=2e-5, atol=5e-5)
+            np.testing.assert_allclose(v, r["v"], rtol=2e-5, atol=5e-5)
             acc = np.asarray(state["acc"][l, 0, h])
             np.testing.assert_allclose(acc[val][o], r["acc"], rtol=1e-5, atol=1e-5)
             assert np.all(acc[~val] == 0)
@@ -197,7 +203,7 @@ def test_reference_steps(pair, name):
         seen["merge"] += int(counts[0].sum())
         seen["discard"] += int(counts[1].sum())
     assert seen["merge"] > 0 and seen["discard"] > 0, seen
-    print(f"\n{name}: reference max |dv| = {max(DIFFS):.2e}, {seen}")
+    print(f"\n{name}: reference max |dk|, |dv| = {max(DIFFS):.2e}, {seen}")
 
 
 def ref_decode_step(m, k, v, pos, valid, acc, add, tau, s_l, m_l):
