@@ -48,9 +48,10 @@ def write_report(records: list[dict], a, out: Path) -> str:
         "",
         f"Measured by `python scripts/sweep_baselines.py --model {a.model} --samples "
         f"{a.samples} --budgets {a.budgets} --context {a.context} --tasks {a.tasks}` (one "
-        f"`python -m kvjax.run` per scenario; records in `baselines_<scenario>.json`); {report.model_line(records)}. "
-        f"Accuracy in %, {a.samples} samples per cell, seed {a.seed}. Budget = KV entries kept per (layer, KV "
-        "head), window/sinks included; `kv` = live KV bytes after prefill (and the "
+        "`python -m kvjax.run` per scenario; records in `baselines_<scenario>.json`); "
+        f"{report.model_line(records)}. Accuracy in %, {a.samples} samples per cell, seed "
+        f"{a.seed}. Budget = KV entries kept per (layer, KV head), window/sinks included; "
+        "`kv` = live KV bytes after prefill (and the "
         "context-only question) as a fraction of the full cache.",
     ]
     for scenario in SCENARIOS:
