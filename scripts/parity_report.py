@@ -7,6 +7,7 @@ The same comparisons as tests/test_parity_hf.py, printed as figures (fp32, CPU, 
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 import time
@@ -25,11 +26,13 @@ from kvjax.methods import Method  # noqa: E402
 from kvjax.models import transformer  # noqa: E402
 from kvjax.models.checkpoint import load_hf  # noqa: E402
 
-jax.config.update("jax_default_matmul_precision", "highest")
 STEPS = 8
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    jax.config.update("jax_default_matmul_precision", "highest")
     print(f"{'family':>24} {'|logits|max':>11} {'prefill':>9} {'decode(8)':>9}")
     for name in sorted(hf_models.FAMILIES):
         model = hf_models.build(name)
