@@ -283,8 +283,10 @@ def test_reference_decode_steps(name):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-@given(st.integers(0, 10**6), st.sampled_from(["softmax", "mean"]))
-def test_merge_convex_and_span(seed, kind):
+@given(st.integers(0, 10**6), st.sampled_from(["softmax", "mean"]), st.booleans())
+def test_merge_convex_and_span(seed, kind, rows):
+    """Both writers (all C slots; only the target rows, as a decode step does) equal the
+    reference, also when several sources merge into one slot."""
     rng = np.random.default_rng(seed)
     C, D = 10, 6
     k = rng.normal(size=(C, D)).astype(np.float32)
@@ -295,7 +297,7 @@ def test_merge_convex_and_span(seed, kind):
     gone[0] = False
     k2, v2, merged, _ = merge(jnp.asarray(k), jnp.asarray(v), jnp.asarray(keep),
                               jnp.asarray(k), jnp.asarray(v), jnp.asarray(gone),
-                              jnp.asarray(-1.0), kind)
+                              jnp.asarray(-1.0), kind, rows=rows)
     rk, rv, _ = ref_merge(k, v, keep, gone, -1.0, kind)
     np.testing.assert_allclose(np.asarray(k2), rk, atol=1e-5)
     np.testing.assert_allclose(np.asarray(v2), rv, atol=1e-5)

@@ -36,8 +36,8 @@ express: here the prompt is cut to S_l at prefill in both variants).
 
 Decode (inside the jitted loop, `DecodeEviction` hooks): the new token's attention is added
 to the scores, the lowest-scoring evictable entry (not a sink, not among the M_l newest) of
-each head goes when live > S_l, and is merged or discarded by `jnp.where` + a weighted
-scatter into its nearest kept slot. Method state: acc [L,B,K,C], tau [L,B,K], budgets
+each head goes when live > S_l, and is merged into its nearest kept slot (only that row
+of the cache is rewritten) or discarded. Method state: acc [L,B,K,C], tau [L,B,K], budgets
 S_l [L,B], recent M_l [L,B], merges / discards [L,B] counters (decode only; the prefill's
 are in the stats).
 """
@@ -88,7 +88,16 @@ def _into_slots(x, j, C: int):
     return out.reshape(*lead, C, *feat)
 
 
-def merge(k, v, kept, ks, vs, gone, tau, kind: str, enabled: bool = True, near=None):
+def _set_rows(x, i, new):
+    """x [..., C, F] with rows i [..., E] set to new [..., E, F]; i = C drops a row."""
+    lead, E = i.shape[:-1], i.shape[-1]
+    out = jax.vmap(lambda xx, ii, nn: xx.at[ii].set(nn, mode="drop"))(
+        x.reshape(-1, *x.shape[-2:]), i.reshape(-1, E), new.reshape(-1, E, new.shape[-1]))
+    return out.reshape(x.shape)
+
+
+def merge(k, v, kept, ks, vs, gone, tau, kind: str, enabled: bool = True, near=None,
+          rows: bool = False):
     """Merge the evicted sources into their nearest `kept` entry of the same head.
 
     k, v [..., C, D] and kept [..., C]: the targets; ks, vs [..., E, D]: the sources, `gone`
@@ -99,6 +108,8 @@ def merge(k, v, kept, ks, vs, gone, tau, kind: str, enabled: bool = True, near=N
     Source i has u_i = cos(k_i, k_j) over the kept j; it merges into j* = argmax_j u_ij
     when max_j u_ij >= tau. Eq. 11-12 (softmax: weights exp(u_ij*) against e for the kept
     entry) or the code's mean (weights u_ij* against 1, divided by 1 + the count).
+    `rows=True` (a decode step's few sources) rewrites only the target rows, O(E^2 D), where
+    the default scatters into all C slots and rewrites the cache, O(C D).
     """
     C = k.shape[-2]
     j, maxsim = nearest(k, kept, ks) if near is None else near
@@ -108,14 +119,25 @@ def merge(k, v, kept, ks, vs, gone, tau, kind: str, enabled: bool = True, near=N
     softmax = kind == "softmax"
     self_w = math.e if softmax else 1.0
     w = jnp.where(ok, jnp.exp(maxsim) if softmax else maxsim, 0.0)  # [..., E]
-    count = _into_slots(ok.astype(jnp.float32), j, C)  # [..., C]
-    den = self_w + (_into_slots(w, j, C) if softmax else count)
+    if rows:  # source s joins target row t's sum when it merges into the same slot
+        same = (j[..., :, None] == j[..., None, :]) & ok[..., None, :]  # [..., E, E]
+        den = self_w + jnp.sum(jnp.where(same, w[..., None, :] if softmax else 1.0, 0.0), -1)
 
-    def apply(x, xs):
-        xf = x.astype(jnp.float32)
-        new = (self_w * xf + _into_slots(w[..., None] * xs.astype(jnp.float32), j, C)
-               ) / den[..., None]
-        return jnp.where((count > 0)[..., None], new, xf).astype(x.dtype)
+        def apply(x, xs):
+            tgt = jnp.take_along_axis(x, j[..., None], axis=-2).astype(jnp.float32)
+            add = jnp.einsum("...ts,...sd->...td", jnp.where(same, w[..., None, :], 0.0),
+                             xs.astype(jnp.float32))
+            new = (self_w * tgt + add) / den[..., None]
+            return _set_rows(x, jnp.where(ok, j, C), new.astype(x.dtype))
+    else:
+        count = _into_slots(ok.astype(jnp.float32), j, C)  # [..., C]
+        den = self_w + (_into_slots(w, j, C) if softmax else count)
+
+        def apply(x, xs):
+            xf = x.astype(jnp.float32)
+            new = (self_w * xf + _into_slots(w[..., None] * xs.astype(jnp.float32), j, C)
+                   ) / den[..., None]
+            return jnp.where((count > 0)[..., None], new, xf).astype(x.dtype)
 
     return apply(k, ks), apply(v, vs), ok, maxsim
 
@@ -280,7 +302,7 @@ class D2O(DecodeEviction):
         any_gone = jnp.any(gone, axis=-1)
         tau = jnp.where(any_gone, self.beta * umax + (1 - self.beta) * tau_prev, tau_prev)
         k, v, merged, _ = merge(io.k, io.v, kept, ks, vs, gone_src, tau, self.merge_kind,
-                                self.merge, near)
+                                self.merge, near, rows=True)
         nm = jnp.sum(merged, axis=(-1, -2), dtype=jnp.int32)
         nd = jnp.sum(gone, axis=(-1, -2), dtype=jnp.int32) - nm
         st = {**st, "acc": put(st["acc"], jnp.where(gone, 0.0, acc)),

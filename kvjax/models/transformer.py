@@ -168,8 +168,10 @@ def extend(
             x = finish_layer(p, cfg, x, o)
             io = LayerIO(layer, q, lk, lv, lp, lval, pos_BT, o, x, valid_BT)
             new_layer, st = hook(io, probs, st)
-            kv = tuple(jax.lax.dynamic_update_index_in_dim(a, n, layer, 0)
-                       for a, n in zip(kv, new_layer))
+            # what the hook returns unchanged is not written back: writing a slice of the
+            # carry into itself makes XLA copy the whole [L, ...] array every layer
+            kv = tuple(a if n is old else jax.lax.dynamic_update_index_in_dim(a, n, layer, 0)
+                       for a, old, n in zip(kv, (lk, lv, lp, lval), new_layer))
         return (x, kv, st), None
 
     (x, kv, state), _ = jax.lax.scan(body, (x, kv, state), jnp.arange(cfg.num_layers))
