@@ -111,9 +111,8 @@ def write_report(records: list[dict], a, out: Path, command: str) -> str:
         f"{a.seed}, {report.model_line(records)}. Methods: `lazyllm` = LazyLLM at SlimInfer's "
         "layers keeping 50% of the present tokens at each; `sliminfer` = the paper's "
         "(8k, 4k, 2k)/32k schedule scaled to the context and depth, decode reviving pruned "
-        "blocks from their "
-        "hidden states; `sliminfer_restrict` = same prefill, decode only among blocks with KV "
-        "(never swaps); `sliminfer_aggressive` = (4k, 2k, 1k)/32k.",
+        "blocks from their hidden states; `sliminfer_restrict` = same prefill, decode only "
+        "among blocks with KV (never swaps); `sliminfer_aggressive` = (4k, 2k, 1k)/32k.",
         "",
         "## Accuracy (%)", "",
         report.markdown_table(records, lambda r: r["method"], col, lambda r: 100 * r["accuracy"],
