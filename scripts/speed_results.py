@@ -37,6 +37,11 @@ BENCHES = (
      "(random weights, bundled architecture with 8192 positions)",
      ["prefill", "--model", "random", "--contexts", "2048,8192", "--methods",
       "full,h2o,d2o", "--budget", "0.2", "--decode-tokens", "32", "--repeats", "2"]),
+    ("d2o_same_alloc", 10, "the same at H2O's allocation (uniform layer budgets, cap 1): "
+     "what D2O's eviction and merge cost per step over H2O's",
+     ["prefill", "--model", "random", "--contexts", "2048,8192", "--methods",
+      "full,h2o,d2o", "--budget", "0.2", "--decode-tokens", "32", "--repeats", "2",
+      "--set", "cap=1", "--set", "layer_budgets=false"]),
     ("sliminfer", 11, "SlimInfer and LazyLLM vs full: TTFT, decode tokens/s, swaps and "
      "device KV (bundled model, up to its 4096 positions)",
      ["sliminfer", "--contexts", "1024,2048,4096"]),

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from kvjax import engine, methods
 from kvjax.methods.d2o import merge
-from kvjax.models.transformer import LayerIO
+from kvjax.models.transformer import LayerIO, Rows
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")
@@ -266,6 +266,7 @@ def test_reference_decode_steps(name):
                      jnp.full((B, 1), C + step), jnp.zeros((B, 1, K * G, D)),
                      jnp.zeros((B, 1, 4)), jnp.ones((B, 1), bool))
         (k2, v2, _, val2), st_ = hook(io, jnp.asarray(probs), st_)
+        k2, v2 = (r.into(x) if isinstance(r, Rows) else r for r, x in ((k2, io.k), (v2, io.v)))
         for h in range(K):
             rk, rv, rval, racc, rtau = ref[h]
             rk, rv, rval = k[0, h], v[0, h], valid[0, h]
@@ -295,9 +296,12 @@ def test_merge_convex_and_span(seed, kind, rows):
     keep = ~gone
     keep[0] = True
     gone[0] = False
-    k2, v2, merged, _ = merge(jnp.asarray(k), jnp.asarray(v), jnp.asarray(keep),
-                              jnp.asarray(k), jnp.asarray(v), jnp.asarray(gone),
-                              jnp.asarray(-1.0), kind, rows=rows)
+    bk = lambda x: jnp.asarray(x)[None, None]  # noqa: E731 -- as one [B=1, K=1] head
+    k2, v2, merged, _ = merge(bk(k), bk(v), bk(keep), bk(k), bk(v), bk(gone),
+                              jnp.full((1, 1), -1.0), kind, rows=rows)
+    if rows:  # the decode writer's target rows, scattered as extend does
+        k2, v2 = k2.into(bk(k)), v2.into(bk(v))
+    k2, v2, merged = k2[0, 0], v2[0, 0], merged[0, 0]
     rk, rv, _ = ref_merge(k, v, keep, gone, -1.0, kind)
     np.testing.assert_allclose(np.asarray(k2), rk, atol=1e-5)
     np.testing.assert_allclose(np.asarray(v2), rv, atol=1e-5)

@@ -55,7 +55,7 @@ from kvjax import scoring, select
 from kvjax.config import ModelConfig
 from kvjax.methods import register
 from kvjax.methods.eviction import DecodeEviction, query_sum
-from kvjax.models.transformer import LayerIO
+from kvjax.models.transformer import LayerIO, Rows
 
 MERGES = ("softmax", "mean")
 VARIANCES = ("raw", "minmax")
@@ -88,14 +88,6 @@ def _into_slots(x, j, C: int):
     return out.reshape(*lead, C, *feat)
 
 
-def _set_rows(x, i, new):
-    """x [..., C, F] with rows i [..., E] set to new [..., E, F]; i = C drops a row."""
-    lead, E = i.shape[:-1], i.shape[-1]
-    out = jax.vmap(lambda xx, ii, nn: xx.at[ii].set(nn, mode="drop"))(
-        x.reshape(-1, *x.shape[-2:]), i.reshape(-1, E), new.reshape(-1, E, new.shape[-1]))
-    return out.reshape(x.shape)
-
-
 def merge(k, v, kept, ks, vs, gone, tau, kind: str, enabled: bool = True, near=None,
           rows: bool = False):
     """Merge the evicted sources into their nearest `kept` entry of the same head.
@@ -108,8 +100,9 @@ def merge(k, v, kept, ks, vs, gone, tau, kind: str, enabled: bool = True, near=N
     Source i has u_i = cos(k_i, k_j) over the kept j; it merges into j* = argmax_j u_ij
     when max_j u_ij >= tau. Eq. 11-12 (softmax: weights exp(u_ij*) against e for the kept
     entry) or the code's mean (weights u_ij* against 1, divided by 1 + the count).
-    `rows=True` (a decode step's few sources) rewrites only the target rows, O(E^2 D), where
-    the default scatters into all C slots and rewrites the cache, O(C D).
+    `rows=True` (a decode step's few sources, k and v [B, K, C, D]) returns k and v as `Rows`
+    (the target rows only, O(E^2 D), which `extend` scatters into the cache); the default
+    scatters into all C slots and rewrites the layer, O(C D).
     """
     C = k.shape[-2]
     j, maxsim = nearest(k, kept, ks) if near is None else near
@@ -128,7 +121,7 @@ def merge(k, v, kept, ks, vs, gone, tau, kind: str, enabled: bool = True, near=N
             add = jnp.einsum("...ts,...sd->...td", jnp.where(same, w[..., None, :], 0.0),
                              xs.astype(jnp.float32))
             new = (self_w * tgt + add) / den[..., None]
-            return _set_rows(x, jnp.where(ok, j, C), new.astype(x.dtype))
+            return Rows(jnp.where(ok, j, C), new.astype(x.dtype))
     else:
         count = _into_slots(ok.astype(jnp.float32), j, C)  # [..., C]
         den = self_w + (_into_slots(w, j, C) if softmax else count)

@@ -91,9 +91,32 @@ class LayerIO:
     wo: Float[Array, "HDh D"] | None = None  # the layer's W_O (prefill only; CriticalKV)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Rows:
+    """A decode hook's sparse update of one layer's k or v: rows `idx` [B, K, E] (C drops
+    the row) set to `new` [B, K, E, Dh]. `extend` scatters it into the cache carry in place;
+    a whole new [B, K, C, Dh] layer would cost a copy of the layer and its write-back."""
+
+    idx: Int[Array, "B K E"]
+    new: Float[Array, "B K E Dh"]
+
+    def into(self, x: Float[Array, "B K C Dh"]) -> Float[Array, "B K C Dh"]:
+        """x with the rows set (the dense equivalent of what `extend` writes)."""
+        return _scatter_rows(x, (), self)
+
+
+def _scatter_rows(x, lead, rows: Rows):
+    """x [*lead, B, K, C, Dh] with rows.idx of x[lead] set to rows.new (a scatter)."""
+    B, K, _ = rows.idx.shape
+    b, k = jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None]
+    return x.at[(*lead, b, k, rows.idx)].set(rows.new.astype(x.dtype), mode="drop")
+
+
 # (LayerIO, state) -> (what the scan stores for this layer, state)
 PrefillHook = Callable[[LayerIO, Any], tuple[Any, Any]]
-# (LayerIO, probs [B,K,G,T,C], state) -> ((k, v, pos, valid) of the layer, state)
+# (LayerIO, probs [B,K,G,T,C], state) -> ((k, v, pos, valid) of the layer, state); k and v
+# may be Rows
 DecodeHook = Callable[[LayerIO, Array, Any], tuple[Any, Any]]
 
 
@@ -153,8 +176,8 @@ def extend(
     """
     x = params["embed"][tokens_BT]
 
-    def body(carry, layer):
-        x, kv, st = carry
+    def step(x, kv, st, layer):
+        """One layer: (x, kv, st, the hook's Rows of this layer's k and v, or None)."""
         p = layer_slice(params, layer)
         q, k, v = qkv(p, cfg, x, pos_BT)
         kv = write(kv, layer, k, v, pos_BT, valid_BT, slot_LBKT[layer])
@@ -162,17 +185,35 @@ def extend(
         ok = attention.mask(pos_BT, lp, lval, cfg.sliding_window)
         if hook is None:
             o = attention.attend(q, lk, lv, ok)
-            x = finish_layer(p, cfg, x, o)
-        else:
-            o, probs = attention.attend(q, lk, lv, ok, return_probs=True)
-            x = finish_layer(p, cfg, x, o)
-            io = LayerIO(layer, q, lk, lv, lp, lval, pos_BT, o, x, valid_BT)
-            new_layer, st = hook(io, probs, st)
-            # what the hook returns unchanged is not written back: writing a slice of the
-            # carry into itself makes XLA copy the whole [L, ...] array every layer
-            kv = tuple(a if n is old else jax.lax.dynamic_update_index_in_dim(a, n, layer, 0)
-                       for a, old, n in zip(kv, (lk, lv, lp, lval), new_layer))
-        return (x, kv, st), None
+            return finish_layer(p, cfg, x, o), kv, st, (None, None)
+        o, probs = attention.attend(q, lk, lv, ok, return_probs=True)
+        x = finish_layer(p, cfg, x, o)
+        io = LayerIO(layer, q, lk, lv, lp, lval, pos_BT, o, x, valid_BT)
+        new_layer, st = hook(io, probs, st)
+        # what the hook returns unchanged is not written back: writing a slice of the
+        # carry into itself makes XLA copy the whole [L, ...] array every layer
+        kv = tuple(a if n is old or isinstance(n, Rows)
+                   else jax.lax.dynamic_update_index_in_dim(a, n, layer, 0)
+                   for a, old, n in zip(kv, (lk, lv, lp, lval), new_layer))
+        return x, kv, st, tuple(n if isinstance(n, Rows) else None for n in new_layer[:2])
 
-    (x, kv, state), _ = jax.lax.scan(body, (x, kv, state), jnp.arange(cfg.num_layers))
+    def flush(kv, layer, rows):
+        # Rows land at the start of the next layer's step, before anything reads the
+        # cache, as `write` does: scattered right after the hook, XLA copies the whole
+        # cache to keep it intact for readers it cannot order before the scatter
+        return tuple(a if r is None else _scatter_rows(a, (layer,), r)
+                     for a, r in zip(kv, (*rows, None, None)))
+
+    def body(carry, layer):
+        x, kv, st, rows = carry
+        x, kv, st, new_rows = step(x, flush(kv, layer - 1, rows), st, layer)
+        return (x, kv, st, new_rows), None
+
+    C = kv[0].shape[-2]
+    shapes = jax.eval_shape(step, x, kv, state, jnp.int32(0))[3]
+    rows = jax.tree.map(lambda s: jnp.full(s.shape, C, s.dtype) if s.dtype == jnp.int32
+                        else jnp.zeros(s.shape, s.dtype), shapes)  # nothing to flush
+    (x, kv, state, rows), _ = jax.lax.scan(body, (x, kv, state, rows),
+                                           jnp.arange(cfg.num_layers))
+    kv = flush(kv, cfg.num_layers - 1, rows)
     return x, kv, state
