@@ -26,7 +26,8 @@ hooks (engine call sites):
   decode_slots(cache, st, T)    slots [L, B, K, T] the next T tokens are written to
                                 (None: append at `end`)
   decode_layer                  None, or a DecodeHook called after each layer's attention
-                                while decoding (H2O cumulative scores, D2O merges, ...)
+                                while decoding (H2O cumulative scores, D2O merges, ...);
+                                k and v it returns as `Rows` are scattered in place
   decode_driver()               None (the engine's compiled decode loop), or a callable
                                 that owns decoding: a host loop over compiled steps, for
                                 methods that move KV between host and device between
