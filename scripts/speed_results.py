@@ -42,6 +42,11 @@ BENCHES = (
      ["prefill", "--model", "random", "--contexts", "2048,8192", "--methods",
       "full,h2o,d2o", "--budget", "0.2", "--decode-tokens", "32", "--repeats", "2",
       "--set", "cap=1", "--set", "layer_budgets=false"]),
+    ("cam", 10, "CaM vs its StreamingLLM base vs full: decode time per token at 2048 and "
+     "8192 (random weights, bundled architecture with 8192 positions)",
+     ["prefill", "--model", "random", "--contexts", "2048,8192", "--methods",
+      "full,streaming_llm,cam", "--budget", "0.2", "--decode-tokens", "32", "--repeats",
+      "2"]),
     ("sliminfer", 11, "SlimInfer and LazyLLM vs full: TTFT, decode tokens/s, swaps and "
      "device KV (bundled model, up to its 4096 positions)",
      ["sliminfer", "--contexts", "1024,2048,4096"]),

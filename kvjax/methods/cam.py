@@ -54,7 +54,7 @@ from kvjax import scoring
 from kvjax.config import ModelConfig
 from kvjax.methods import register
 from kvjax.methods.eviction import DecodeEviction, force, query_sum
-from kvjax.models.transformer import LayerIO
+from kvjax.models.transformer import LayerIO, Rows
 
 
 def cam_merge(
@@ -67,13 +67,14 @@ def cam_merge(
     merge_budget: int,
     key: Array,
     max_evict: int,
-) -> tuple[Float[Array, "B K C D"], Bool[Array, "B K C"], Float[Array, "B K C"]]:
+) -> tuple[Rows, Bool[Array, "B K C"], Float[Array, "B K C"]]:
     """CaM's Bernoulli value merge (zyxxmu/cam `local_cam_mask`; see the module docstring).
 
     Every gone entry i (at most `max_evict` per head, static) merges into its targets --
     the `merge_budget` kept entries at positions > pos_i, pos >= start, lowest positions
     first -- with probability clip(a_i / mean_targets a, 0, 1): v_j += v_i / #targets.
-    Returns (v, merged [B,K,C] (which gone entries merged), p [B,K,C] (the merge
+    Returns (v's changed rows as `Rows` (`extend` scatters them into the cache; `.into(v)`
+    is the dense v), merged [B,K,C] (which gone entries merged), p [B,K,C] (the merge
     probability of every gone entry, 0 elsewhere)).
     """
     B, K, C, D = v_BKCD.shape
@@ -98,13 +99,19 @@ def cam_merge(
     mask = hit & (nt > 0) & (jax.random.uniform(key, p.shape) < p)  # [B, K, E]
     v_e = jnp.take_along_axis(v_BKCD, gi[..., None], axis=2).astype(jnp.float32)  # [B,K,E,D]
     w = jnp.where(tok & mask[..., None], 1.0 / jnp.maximum(nt, 1)[..., None], 0.0)  # [B,K,E,m]
-    bi = jnp.arange(B)[:, None, None, None]
-    ki = jnp.arange(K)[None, :, None, None]
-    v = v_BKCD.astype(jnp.float32).at[bi, ki, ti].add(w[..., None] * v_e[:, :, :, None, :])
+    # the E*m targets as Rows: each gets every (source, target) term aimed at its slot, so
+    # two gone entries sharing a target write the same sum (no scatter-add collisions)
+    t_F, tok_F, w_F = (x.reshape(B, K, E * m) for x in (ti, tok, w))
+    same = t_F[..., :, None] == t_F[..., None, :]  # [B, K, F, F]
+    src = jnp.broadcast_to(v_e[:, :, :, None, :], (B, K, E, m, D)).reshape(B, K, E * m, D)
+    old = jnp.take_along_axis(v_BKCD, t_F[..., None], axis=2).astype(jnp.float32)
+    new = old + jnp.einsum("bkfg,bkgd->bkfd", jnp.where(same, w_F[..., None, :], 0.0), src)
+    v = Rows(jnp.where(tok_F, t_F, C), new.astype(v_BKCD.dtype))
+    bi, ki = jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None]
     # top_k indices are distinct within a head, so `set` never collides
     scatter = lambda x: jnp.zeros(gone_BKC.shape, x.dtype).at[  # noqa: E731
-        bi[..., 0], ki[..., 0], gi].set(jnp.where(hit, x, jnp.zeros_like(x)))
-    return v.astype(v_BKCD.dtype), scatter(mask), scatter(p)
+        bi, ki, gi].set(jnp.where(hit, x, jnp.zeros_like(x)))
+    return v, scatter(mask), scatter(p)
 
 
 @register
@@ -163,8 +170,8 @@ class CaM(DecodeEviction):
 
     def decode_layer(self, io: LayerIO, probs_BKGTC: Float[Array, "B K G T C"], st):
         """Decode hook (inside the jitted loop): `DecodeEviction`'s eviction, then the
-        Bernoulli value merge of the evicted entries (`cam_merge`), a `jnp.where` /
-        scatter-add with no Python branch on data; counts merges and discards."""
+        Bernoulli value merge of the evicted entries (`cam_merge`: the changed value rows,
+        no Python branch on data); counts merges and discards."""
         (k, v, pos, kept), st = super().decode_layer(io, probs_BKGTC, st)
         gone = io.valid & ~kept
         l = io.layer
