@@ -64,18 +64,22 @@ def write(
     Only the written rows move (an in-place scatter inside the decode loop), not the layer.
     """
     k_all, v_all, pos_all, valid_all = kv
-    idx = (
-        layer,
-        jnp.arange(k_all.shape[1])[:, None, None],
-        jnp.arange(k_all.shape[2])[None, :, None],
-        slot_BKT,
-    )
+    lead = (layer,)
     return (
-        k_all.at[idx].set(k_BKTD.astype(k_all.dtype)),
-        v_all.at[idx].set(v_BKTD.astype(v_all.dtype)),
-        pos_all.at[idx].set(jnp.broadcast_to(pos_BT[:, None, :], slot_BKT.shape)),
-        valid_all.at[idx].set(jnp.broadcast_to(valid_BT[:, None, :], slot_BKT.shape)),
+        set_rows(k_all, lead, slot_BKT, k_BKTD),
+        set_rows(v_all, lead, slot_BKT, v_BKTD),
+        set_rows(pos_all, lead, slot_BKT, jnp.broadcast_to(pos_BT[:, None, :], slot_BKT.shape)),
+        set_rows(valid_all, lead, slot_BKT,
+                 jnp.broadcast_to(valid_BT[:, None, :], slot_BKT.shape)),
     )
+
+
+def set_rows(x: Array, lead: tuple, slot_BKE: Int[Array, "B K E"], new: Array) -> Array:
+    """x [*lead, B, K, C, ...] with slots slot_BKE of x[lead] set to new [B, K, E, ...]; a
+    slot >= C drops its row."""
+    B, K, _ = slot_BKE.shape
+    idx = (*lead, jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], slot_BKE)
+    return x.at[idx].set(new.astype(x.dtype), mode="drop")
 
 
 def append(cache: KVCache, k_LBKD: Array, v_LBKD: Array, valid_B: Bool[Array, "B"] | None = None

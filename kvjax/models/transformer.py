@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.cache import write
+from kvjax.cache import set_rows, write
 from kvjax.config import ModelConfig
 from kvjax.models import attention
 from kvjax.models.rope import apply_rope, inv_freq
@@ -103,14 +103,7 @@ class Rows:
 
     def into(self, x: Float[Array, "B K C Dh"]) -> Float[Array, "B K C Dh"]:
         """x with the rows set (the dense equivalent of what `extend` writes)."""
-        return _scatter_rows(x, (), self)
-
-
-def _scatter_rows(x, lead, rows: Rows):
-    """x [*lead, B, K, C, Dh] with rows.idx of x[lead] set to rows.new (a scatter)."""
-    B, K, _ = rows.idx.shape
-    b, k = jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None]
-    return x.at[(*lead, b, k, rows.idx)].set(rows.new.astype(x.dtype), mode="drop")
+        return set_rows(x, (), self.idx, self.new)
 
 
 # (LayerIO, state) -> (what the scan stores for this layer, state)
@@ -201,7 +194,7 @@ def extend(
         # Rows land at the start of the next layer's step, before anything reads the
         # cache, as `write` does: scattered right after the hook, XLA copies the whole
         # cache to keep it intact for readers it cannot order before the scatter
-        return tuple(a if r is None else _scatter_rows(a, (layer,), r)
+        return tuple(a if r is None else set_rows(a, (layer,), r.idx, r.new)
                      for a, r in zip(kv, (*rows, None, None)))
 
     def body(carry, layer):
