@@ -1,4 +1,4 @@
-"""The public Python API: load, generate, compress (ARCHITECTURE.md section 7)."""
+"""The public Python API: load, generate, compress (docs/design.md, "Public contract")."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from kvjax import engine
 from kvjax.config import ModelConfig
-from kvjax.methods.base import Method
+from kvjax.compress.method import Method
+from kvjax.pallas.dispatch import Kernels
 from kvjax.models.checkpoint import load_hf
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "assets"
@@ -104,6 +105,7 @@ def generate(
     top_p: float = 1.0,
     stop_ids: Sequence[int] | None = None,
     seed: int = 0,
+    kernels: Kernels = Kernels(),
 ) -> Result:
     """Compress the prompt with `method` and generate.
 
@@ -119,17 +121,19 @@ def generate(
     gen = engine.run(model.params, model.cfg, prompts, method, questions=questions,
                      max_new_tokens=max_new_tokens,
                      sampling=engine.Sampling(temperature, top_p),
-                     stop_ids=None if stop_ids is None else tuple(stop_ids), seed=seed)
+                     stop_ids=None if stop_ids is None else tuple(stop_ids), seed=seed,
+                     kernels=kernels)
     texts = [model.decode(t) for t in gen.tokens] if model.tokenizer is not None else None
     if single:
         return Result(texts[0] if texts else None, gen.tokens[0], gen.stats)
     return Result(texts, gen.tokens, gen.stats)
 
 
-def compress(model: Model, prompt, method: Method | None = None, question=None):
+def compress(model: Model, prompt, method: Method | None = None, question=None,
+             kernels: Kernels = Kernels()):
     """Prefill and compress only (no decoding): (cache, stats). Scenarios as in `generate`."""
     prompts, _ = _batch(model, prompt, bos=True)
     questions = None if question is None else _batch(model, question, bos=False)[0]
     gen = engine.run(model.params, model.cfg, prompts, method, questions=questions,
-                     max_new_tokens=0)
+                     max_new_tokens=0, kernels=kernels)
     return gen.cache, gen.stats

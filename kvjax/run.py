@@ -1,7 +1,8 @@
 """`python -m kvjax.run`: evaluate methods x budgets x tasks x contexts on a model.
 
 One JSON record per (method, budget, task, context) with accuracy, KV bytes and timings
-(ARCHITECTURE.md section 7). Every figure is measured in this run; nothing is copied.
+(docs/design.md, "Public contract"). Every figure is measured in this run; nothing is
+copied.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--list-tasks", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--kernels", choices=("auto", "xla", "pallas"), default="auto",
-                   help="kvjax.pallas ops: auto = Pallas where the backend compiles it (TPU, "
-                        "Hopper GPU), else xla; pallas on CPU runs them interpreted (slow)")
+                   help="kernel ops (kvjax.pallas): auto = Pallas where the backend compiles it "
+                        "(TPU, Hopper GPU), else xla; pallas on CPU runs them interpreted (slow)")
     args = p.parse_args(argv)
     if args.samples < 1:
         p.error(f"--samples must be >= 1, got {args.samples}")
@@ -98,6 +99,7 @@ def make_method(name: str, budget: int | None, ratio: float | None, context: int
 
 def evaluate(model, method, task: str, context: int, args, budget, ratio, pbar=None) -> dict:
     from kvjax import engine, tasks
+    from kvjax.pallas import Kernels
 
     samples = tasks.generate(task, context_length=context, n=args.samples, seed=args.seed)
     per_sample, ttft, tpot, live, full, compile_s = [], [], [], [], [], 0.0
@@ -112,7 +114,7 @@ def evaluate(model, method, task: str, context: int, args, budget, ratio, pbar=N
             prompts = [model.encode(s.context) for s in batch]
             questions = [model.encode(s.question, bos=False) for s in batch]
         gen = engine.run(model.params, model.cfg, prompts, method, questions=questions,
-                         max_new_tokens=max_new)
+                         max_new_tokens=max_new, kernels=Kernels.every(args.kernels))
         st = gen.stats
         compile_s += st["compile_s"]
         ttft.append(st["ttft_s"])
@@ -121,7 +123,7 @@ def evaluate(model, method, task: str, context: int, args, budget, ratio, pbar=N
         live.append(st["kv_bytes_live"] / len(batch))
         full.append(st["kv_bytes_full"] / len(batch))
         for k, v in st.items():
-            if k not in engine.ENGINE_STATS:
+            if k not in engine.ENGINE_STATS or k == "kernels":
                 extra_stats.setdefault(k, []).append(v)
         for j, (s, toks) in enumerate(zip(batch, gen.tokens)):
             pred = model.decode(toks)
@@ -129,7 +131,8 @@ def evaluate(model, method, task: str, context: int, args, budget, ratio, pbar=N
             rec = {"prediction": pred, "answer": s.answer, "score": score,
                    "correct": bool(score == 1.0), "depth": s.depth}
             for k, v in st.items():
-                if k not in engine.ENGINE_STATS and isinstance(v, list) and len(v) == len(batch):
+                if k not in (*engine.ENGINE_STATS, *BULKY_STATS) and isinstance(v, list) \
+                        and len(v) == len(batch):
                     rec[k] = v[j]
             per_sample.append(rec)
         if pbar is not None:
@@ -156,8 +159,9 @@ def evaluate(model, method, task: str, context: int, args, budget, ratio, pbar=N
         "ttft_s": float(np.mean(ttft)),
         "tpot_s": float(np.mean(tpot)) if tpot else None,
         "compile_s": compile_s,
-        "selection_layer": extra_stats.get("selection_layer"),
-        "select_k": extra_stats.get("select_k"),  # resolved (FastKV's is a rate of the prompt)
+        "method_stats": {k: v for k, v in extra_stats.items()
+                         if k not in ("kernels", *BULKY_STATS)},
+        "kernels": extra_stats.get("kernels", [{}])[0],
         "method_params": dataclasses.asdict(method),
         "model": model.name,
         "model_weights": weights,
@@ -166,6 +170,11 @@ def evaluate(model, method, task: str, context: int, args, budget, ratio, pbar=N
     if args.details:
         record["details"] = per_sample
     return record
+
+
+# method statistics too large for a record (every block's score at every pruning layer of
+# every sample: 14.7 MB for one SlimInfer sweep); the API's stats still have them
+BULKY_STATS = ("block_scores",)
 
 
 @functools.lru_cache(maxsize=4)
@@ -189,9 +198,7 @@ def _finite(x):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from kvjax import methods, pallas
-
-    pallas.set_default_implementation(args.kernels)
+    from kvjax import methods
 
     if args.list_methods:
         print("\n".join(methods.names()))

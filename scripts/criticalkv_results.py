@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvjax import engine, methods, report, tasks  # noqa: E402
 from kvjax.api import load  # noqa: E402
-from kvjax.models import transformer  # noqa: E402
+from kvjax.engine import layers  # noqa: E402
 
 PAIRS = (("snapkv", "critical_snapkv"), ("ada_snapkv", "critical_adakv"),
          ("pyramidkv", "critical_pyramidkv"), ("headkv", "critical_headkv"),
@@ -90,7 +90,7 @@ def perturbation(model, name: str, budget: int, ctx: list[int], question: list[i
         return jnp.stack([loss(io, jnp.arange(n - window, n)),
                           loss(io, jnp.arange(n, n + nq))]), st
 
-    _, out, _ = transformer.prefill(params, cfg, tokens, valid, pos_BT, hook, None)
+    _, out, _ = layers.prefill_layers(params, cfg, tokens, valid, pos_BT, hook, None)
     return np.asarray(out).T
 
 

@@ -2,7 +2,7 @@
 
     python scripts/headkv_scores.py --model tiny-retrieval          # ~20 s on 2 CPU cores
 
-Recipe (HeadKV, Fu et al. ICLR 2025, Sec. 3.1; `kvjax/headkv.py` has the formulas): needle
+Recipe (HeadKV, Fu et al. ICLR 2025, Sec. 3.1; `kvjax/methods/critical/head_scores.py` has the formulas): needle
 prompts of the bundled tasks (`kvjax.tasks`: niah_single and niah_multikey, whose answer is
 needle 0), the answer teacher-forced after the prompt (one forward pass; the authors decode
 greedily, which for a model that answers right is the same sequence, and teacher forcing
@@ -29,16 +29,54 @@ import sys
 import time
 from pathlib import Path
 
+import functools
+
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float, Int
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvjax import headkv, tasks  # noqa: E402
+from kvjax import tasks  # noqa: E402
+from kvjax.engine.layers import prefill_layers  # noqa: E402
+from kvjax.methods.critical import head_scores as headkv  # noqa: E402
+from kvjax.config import ModelConfig  # noqa: E402
+from kvjax.models import attention  # noqa: E402
 from kvjax.models.checkpoint import weights_sha256  # noqa: E402
 from kvjax.tasks import tokenizer as task_tok  # noqa: E402
 
 TASKS = ("niah_single", "niah_multikey", "passkey")  # tasks whose answer sits in needle 0
+
+
+
+def answer_attention(q_BTHD: Float[Array, "B T H D"], k_BKTD: Float[Array, "B K T D"],
+                     A: int, sliding_window: int | None = None) -> Float[Array, "B H A T"]:
+    """Causal softmax attention of the last A queries over every key, per query head
+    (h = k * G + g, repeat_kv order), exactly as the model attends (fp32, 1/sqrt(d))."""
+    B, T, H, D = q_BTHD.shape
+    K = k_BKTD.shape[1]
+    s = attention.logits(q_BTHD[:, T - A:], k_BKTD)  # [B, K, G, A, T]
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    kpos = jnp.broadcast_to(pos[:, None], (B, K, T))
+    ok = attention.mask(pos[:, T - A:], kpos, jnp.ones((B, K, T), bool), sliding_window)
+    return attention.softmax(s, ok).reshape(B, H, A, T)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "A"))
+def answer_probs(params, tokens_BT: Int[Array, "B T"], *, cfg: ModelConfig, A: int
+                 ) -> Float[Array, "L B H A T"]:
+    """One teacher-forced forward pass of prompt + answer[:-1]: the attention rows of the
+    A queries that write the answer tokens, every layer."""
+    B, T = tokens_BT.shape
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+
+    def hook(io, st):
+        return answer_attention(io.q, io.k, A, cfg.sliding_window), st
+
+    _, probs, _ = prefill_layers(params, cfg, tokens_BT, jnp.ones((B, T), bool), pos, hook)
+    return probs
 
 
 def needle_span(ids: list[int], needle: list[int]) -> tuple[int, int]:
@@ -74,7 +112,7 @@ def compute(model, task_names, contexts, samples: int, seed: int, kind: str) -> 
             for s in tasks.generate(name, context_length=ctx, n=samples, seed=seed):
                 prompt, answer, (a, b) = encode_sample(model, s)
                 ids = np.asarray(prompt + answer[:-1])
-                p = headkv.answer_probs(model.params, ids[None], cfg=model.cfg, A=len(answer))
+                p = answer_probs(model.params, ids[None], cfg=model.cfg, A=len(answer))
                 p = np.asarray(p[:, 0], np.float64)  # [L, H, A, T]
                 needle = np.zeros(len(ids), bool)
                 needle[a:b] = True

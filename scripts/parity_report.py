@@ -23,6 +23,7 @@ import torch  # noqa: E402
 import hf_models  # noqa: E402
 from kvjax import engine  # noqa: E402
 from kvjax.methods import Method  # noqa: E402
+from kvjax.engine import layers  # noqa: E402
 from kvjax.models import transformer  # noqa: E402
 from kvjax.models.checkpoint import load_hf  # noqa: E402
 
@@ -50,7 +51,7 @@ def main() -> None:
                 past = o.past_key_values
         valid = jnp.ones(ids.shape, bool)
         pos = engine.positions(valid, jnp.zeros(1, jnp.int32))
-        x, _, _ = transformer.prefill(params, cfg, jnp.asarray(ids), valid, pos, lambda io, s: (None, s))
+        x, _, _ = layers.prefill_layers(params, cfg, jnp.asarray(ids), valid, pos, lambda io, s: (None, s))
         pre = np.abs(np.asarray(transformer.unembed(params, cfg, x)) - ref_all).max()
         tokens, v = engine.pad_left([list(ids[0])], 32, 0)
         logits, cache, _, _ = engine.prefill(params, tokens, v, cfg=cfg, method=Method(), capacity=32 + STEPS)

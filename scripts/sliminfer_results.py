@@ -81,7 +81,7 @@ def per_sample(r: dict, key: str) -> list:
 
 def derive(records: list[dict], cfg) -> list[dict]:
     """Add the per-record figures the tables show (means over samples)."""
-    from kvjax.methods.slim.prefill import prefill_flop_ratio
+    from kvjax.methods.slim.blocks import prefill_flop_ratio
 
     full = {(r["task"], r["context_length"]): r for r in records if r["method"] == "full"}
     for r in records:

@@ -1,4 +1,4 @@
-"""kvjax.budgets: PyramidKV's schedule (= kvpress), AdaKV's flattened selection (= a numpy
+"""kvjax.compress.budgets: PyramidKV's schedule (= kvpress), AdaKV's flattened selection (= a numpy
 transcription of kvpress `AdaKVPress.compress`), and their invariants."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvjax import budgets
+from kvjax.compress import budgets
 
 
 def _kvpress_pyramid(budget, n, L, window, beta):

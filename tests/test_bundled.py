@@ -12,6 +12,7 @@ import pytest
 import kvjax
 from kvjax import engine
 from kvjax.api import BUNDLED_DIR
+from kvjax.engine import layers
 from kvjax.models import transformer
 
 PATH = BUNDLED_DIR / "tiny-retrieval"
@@ -33,7 +34,7 @@ def test_shipped_weights_match_transformers():
         ref = hf(torch.tensor([ids])).logits.float().numpy()[0]
     valid = jnp.ones((1, len(ids)), bool)
     pos = engine.positions(valid, jnp.zeros(1, jnp.int32))
-    x, _, _ = transformer.prefill(model.params, model.cfg, jnp.asarray([ids]), valid, pos,
+    x, _, _ = layers.prefill_layers(model.params, model.cfg, jnp.asarray([ids]), valid, pos,
                                   lambda io, st: (None, st))
     ours = np.asarray(transformer.unembed(model.params, model.cfg, x))[0]
     assert np.abs(ours - ref).max() < 1e-4

@@ -82,7 +82,7 @@ def test_cli_run_writes_records(model_dir, tmp_path):
     assert [r["task"] for r in recs] == ["niah_single", "passkey"]
     for r in recs:
         for key in ("method", "budget", "task", "context_length", "samples", "accuracy",
-                    "kv_bytes_live", "kv_bytes_full", "ttft_s", "tpot_s", "selection_layer",
+                    "kv_bytes_live", "kv_bytes_full", "ttft_s", "tpot_s", "method_stats",
                     "versions"):
             assert key in r
         assert r["samples"] == 3 and len(r["details"]) == 3 and 0 <= r["accuracy"] <= 1
@@ -100,7 +100,7 @@ def test_cli_drops_executables_between_methods(model_dir, tmp_path, monkeypatch)
 
     held, clear = [], engine.clear_compiled
     monkeypatch.setattr(engine, "clear_compiled",
-                        lambda: (held.append(len(engine._EXECUTABLES)), clear()))
+                        lambda: (held.append(len(engine.executables._EXECUTABLES)), clear()))
     rc = cli.main(["--model", str(model_dir), "--method", "full,streaming_llm", "--budget",
                    "48,64", "--task", "passkey", "--context", "128", "--samples", "1",
                    "--max-new-tokens", "2", "--output", str(tmp_path / "r.json"),

@@ -19,8 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import critical, engine, methods, select
-from kvjax.models import transformer
+from kvjax import engine, methods
+from kvjax.compress import selection as select
+from kvjax.methods.critical import projected_norms as critical
+from kvjax.engine import layers
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")
@@ -111,7 +113,7 @@ def _capture(cfg, params, method, ctx):
     def hook(io, s):
         b = method.layer_budget(io, s)
         return (method.scores(io)[0], io.v[0], io.wo, io.q[0], io.k[0], b[0]), s
-    _, out, _ = transformer.prefill(params, cfg, tokens, valid, pos, hook, st)
+    _, out, _ = layers.prefill_layers(params, cfg, tokens, valid, pos, hook, st)
     return [np.asarray(a) for a in out]
 
 
@@ -207,7 +209,7 @@ def _crit_scores(cfg, params, method, ctx):
         b, extra = method.head_budgets(io, sc, s)
         return critical.two_stage_scores(sc, method.projected_norms(io), b, S,
                                          method.first_stage_ratio, method.epsilon, extra), s
-    _, out, _ = transformer.prefill(params, cfg, tokens, valid, pos, hook, st)
+    _, out, _ = layers.prefill_layers(params, cfg, tokens, valid, pos, hook, st)
     return np.asarray(out[:, 0])
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-from kvjax import cache as kvcache
+from kvjax.compress import cache as kvcache
 from kvjax import engine, methods
 from kvjax.config import ModelConfig
 from kvjax.methods import Method
@@ -116,16 +116,24 @@ def test_fully_masked_row_is_not_nan():
     assert np.all(np.asarray(o) == 0)
 
 
+def _empty_cache(batch, capacity):
+    shape = (CFG.num_layers, batch, CFG.num_kv_heads, capacity)
+    return kvcache.KVCache(jnp.zeros((*shape, CFG.head_dim)), jnp.zeros((*shape, CFG.head_dim)),
+                           jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool),
+                           end=jnp.int32(0), next_pos=jnp.zeros((batch,), jnp.int32))
+
+
 def test_cache_ops():
-    c = kvcache.init(CFG, batch=2, capacity=6)
+    c = _empty_cache(batch=2, capacity=6)
     assert c.k.shape == (2, 2, 2, 6, 8) and not bool(c.valid.any())
     assert kvcache.kv_bytes(c) == {"kv_bytes_live": 0, "kv_bytes_allocated": 2 * 2 * 2 * 6 * 2 * 8 * 4}
-    kv = (c.k, c.v, c.pos, c.valid)
+    kv = c.kv
     k_new = jnp.ones((2, 2, 3, 8))
     slots = jnp.broadcast_to(jnp.array([1, 2, 4]), (2, 2, 3))
     pos = jnp.array([[10, 11, 12], [0, 1, 2]])
     valid = jnp.array([[True, True, True], [False, True, True]])
-    k, v, p, val = kvcache.write(kv, jnp.int32(1), k_new, 2 * k_new, pos, valid, slots)
+    w = kvcache.write(kv, jnp.int32(1), k_new, 2 * k_new, pos, valid, slots)
+    k, v, p, val = w.k, w.v, w.pos, w.valid
     assert np.array_equal(np.asarray(val[1, 0, 0]), [0, 1, 1, 0, 1, 0])
     assert np.array_equal(np.asarray(val[1, 1, 0]), [0, 0, 1, 0, 1, 0])
     assert np.array_equal(np.asarray(p[1, 0, 1]), [0, 10, 11, 0, 12, 0])
@@ -180,40 +188,19 @@ def test_compression_beyond_a_sliding_window_is_refused(params):
     assert len(live) == 16 and {0, 1, 2, 3} <= set(live) and live.max() >= 39
 
 
-def test_cache_append_and_keep():
-    c = kvcache.init(CFG, batch=2, capacity=5)
-    for t in range(4):
-        kt = jnp.full((2, 2, 2, 8), float(t + 1))
-        c = kvcache.append(c, kt, -kt, valid_B=jnp.array([True, t != 2]))
-    assert int(c.end) == 4 and list(np.asarray(c.next_pos)) == [4, 3]
-    assert list(np.asarray(c.pos[0, 1, 0, :4])) == [0, 1, 2, 2] and not bool(c.valid[0, 1, 0, 2])
-    mask = jnp.zeros(c.valid.shape, bool).at[:, :, 0, jnp.array([1, 3])].set(True)
-    mask = mask.at[:, :, 1, 0].set(True)
-    kept = kvcache.keep(c, mask, capacity=3)
-    assert kept.capacity == 3 and int(kept.end) == 2
-    # head 0 keeps slots 1 and 3 in order, head 1 keeps slot 0; positions travel with them
-    assert list(np.asarray(kept.pos[0, 0, 0, :2])) == [1, 3]
-    assert list(np.asarray(kept.valid[0, 0, 0])) == [True, True, False]
-    assert list(np.asarray(kept.valid[0, 0, 1])) == [True, False, False]
-    assert float(kept.k[0, 0, 0, 1, 0]) == 4.0 and float(kept.v[0, 0, 1, 0, 0]) == -1.0
-    # element 1's dead slot 2 is not resurrected by the mask
-    m2 = jnp.ones(c.valid.shape, bool)
-    assert int(kvcache.keep(c, m2, 5).valid[0, 1, 0].sum()) == 3
-
-
 def test_clear_compiled_drops_the_engines_executables(params):
     engine.clear_compiled()
     engine.run(params, CFG, [_prompt(30)], max_new_tokens=4, stop_ids=())
-    held = len(engine._EXECUTABLES)
+    held = len(engine.executables._EXECUTABLES)
     assert held == 2  # prefill and decode, kept for the next call
     jax.clear_caches()  # jit's caches only: the AOT executables stay mapped
-    assert len(engine._EXECUTABLES) == held
+    assert len(engine.executables._EXECUTABLES) == held
     engine.clear_compiled()
-    assert engine._EXECUTABLES == {}
+    assert engine.executables._EXECUTABLES == {}
     _COMPILES.clear()
     engine.run(params, CFG, [_prompt(30)], max_new_tokens=4, stop_ids=())
     # prefill and decode compiled afresh (and the small jitted helpers jax dropped)
-    assert len(engine._EXECUTABLES) == 2 and len(_COMPILES) >= 2
+    assert len(engine.executables._EXECUTABLES) == 2 and len(_COMPILES) >= 2
 
 
 @pytest.mark.parametrize("name", ["ada_snapkv", "pyramidkv", "lava", "cake"])

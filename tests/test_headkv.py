@@ -19,9 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import engine, headkv, methods
-from kvjax.methods.lava import lava_scores
-from kvjax.models import checkpoint, transformer
+from kvjax import engine, methods
+from kvjax.methods.critical import head_scores as headkv
+from kvjax.methods.lava.entropy import lava_scores
+from kvjax.engine import layers
+from kvjax.models import checkpoint
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")
@@ -100,7 +102,7 @@ def caps(tiny):
     def hook(io, st):
         lv = lava_scores(io, W, lava.kernel, lava.pooling)
         return (snap.scores(io)[0], lv[0], io.v[0], io.wo, io.k[0]), st
-    _, out, _ = transformer.prefill(params, cfg, tokens, valid, pos, hook)
+    _, out, _ = layers.prefill_layers(params, cfg, tokens, valid, pos, hook)
     return dict(zip(("snap", "lava", "v", "wo", "k"), (np.asarray(a) for a in out)))
 
 

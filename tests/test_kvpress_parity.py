@@ -38,8 +38,9 @@ hf_models = pytest.importorskip("hf_models")
 
 from transformers import DynamicCache  # noqa: E402
 
-from kvjax import budgets, engine, methods  # noqa: E402
-from kvjax.models import transformer  # noqa: E402
+from kvjax import engine, methods  # noqa: E402
+from kvjax.compress import budgets  # noqa: E402
+from kvjax.engine import layers  # noqa: E402
 from kvjax.models.checkpoint import load_hf  # noqa: E402
 
 TOL = 2e-4
@@ -127,7 +128,7 @@ def _our_scores(cfg, params, method, ctx):
     tokens = jnp.asarray(ctx)
     valid = jnp.ones(ctx.shape, bool)
     pos = engine.positions(valid, jnp.zeros((1,), jnp.int32))
-    _, s, _ = transformer.prefill(params, cfg, tokens, valid, pos,
+    _, s, _ = layers.prefill_layers(params, cfg, tokens, valid, pos,
                                   lambda io, st: (method.scores(io), st))
     return np.asarray(s[:, 0])
 

@@ -14,10 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvjax
-from kvjax import budgets, engine, methods, run, select
+from kvjax import engine, methods, run
+from kvjax.compress import budgets
+from kvjax.compress import selection as select
 from kvjax.config import ModelConfig
 from kvjax.models.checkpoint import save_hf
-from kvjax.models.transformer import LayerIO
+from kvjax.compress.layer import LayerIO
 from kvjax.train import init_params
 
 CFG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -66,7 +68,8 @@ def _io(seed, B, T, pads, layer=0):
     return LayerIO(jnp.int32(layer), f(B, T, H, D), f(B, K, T, D), f(B, K, T, D),
                    jnp.asarray(np.broadcast_to(pos[:, None], (B, K, T))),
                    jnp.asarray(np.broadcast_to(valid[:, None], (B, K, T))),
-                   jnp.asarray(pos), f(B, T, H, D), f(B, T, CFG.hidden_size), jnp.asarray(valid))
+                   jnp.asarray(pos), f(B, T, H, D), f(B, T, CFG.hidden_size), jnp.asarray(valid),
+                   None, CFG)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -83,10 +86,11 @@ def test_prefill_selection_invariants(name, seed, pads, window, layer, data):
     io = _io(seed, len(pads), T, pads, layer)
     state = m.init_state(CFG, len(pads), T)
     # jitted (the engine's way); jit == eager is checked on the selection helpers below
-    k, v, pos, valid = jax.jit(lambda io, s: m.after_layer_prefill(io, s)[0][:4])(io, state)
+    kv = jax.jit(lambda io, s: m.after_layer_prefill(io, s)[0])(io, state)
+    k, v, pos, valid = kv.k, kv.v, kv.pos, kv.valid
     k, pos, valid = np.asarray(k), np.asarray(pos), np.asarray(valid)
     S = pos.shape[-1]
-    assert S == m.head_slots(T, CFG.num_kv_heads)
+    assert S == m.cache_slots(T, CFG)
     for b, nb in enumerate(n):
         lb = budget
         if "pyramid" in name:  # this element's schedule (its own length), this layer

@@ -128,8 +128,8 @@ def test_window_scores_gpu_interpret_wide(p):
 def test_window_scores_reference_matches_layerwise_and_scoring():
     """The op's reference = scoring.snap_scores = layerwise.window_scores reduced over G
     (the two scorers differ only in the window reduction's default: mean vs sum)."""
-    from kvjax import scoring
-    from kvjax.methods import layerwise
+    from kvjax.compress import scoring
+    from kvjax.methods.asl import layerwise
 
     q, k, valid = score_case(5, 2, 4, 2, 8, 77, 16, 9, jnp.float32)
     for pooling, kernel in (("avg", 5), ("max", 7)):
@@ -294,8 +294,8 @@ def test_compact_gpu_interpret():
 
 def test_compact_reference_matches_layerwise_selection():
     """Indices from `top_with_window` (top_k, sorted) gathered like the layer-wise path."""
-    from kvjax.cache import gather
-    from kvjax.methods.layerwise import top_with_window
+    from kvjax.compress.cache import take_slots as gather
+    from kvjax.compress.selection import top_with_window
 
     B, K, T, D, S, w = 1, 2, 60, 8, 20, 4
     k, v, pos, _, _ = compact_case(0, B, K, T, S, D, jnp.float32)
@@ -339,7 +339,7 @@ def test_value_norms_gpu_interpret():
 
 
 def test_value_norms_reference():
-    """Equal to the dense definition, and to kvjax.critical's reference when present."""
+    """Equal to the dense definition, and to projected_norms' reference when present."""
     v, o = norms_case(2, 2, 2, 4, 37, 8, 24, jnp.float32)
     out = pallas.value_norms(v, o, block=16, implementation="xla")
     B, K, T, Dh = v.shape
@@ -347,7 +347,7 @@ def test_value_norms_reference():
                        precision=jax.lax.Precision.HIGHEST)
     dense = jnp.abs(dense).sum(-1).reshape(B, K, 4, T).mean(2)
     np.testing.assert_allclose(out, dense, rtol=1e-6)
-    critical = pytest.importorskip("kvjax.critical")
+    critical = pytest.importorskip("kvjax.methods.critical.projected_norms")
     np.testing.assert_allclose(out, critical.projected_value_norms(v, o, 16), rtol=1e-6)
 
 

@@ -17,8 +17,9 @@ torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")
 
 from kvjax import engine  # noqa: E402
-from kvjax.cache import KVCache  # noqa: E402
+from kvjax.compress.cache import KVCache  # noqa: E402
 from kvjax.methods import Method  # noqa: E402
+from kvjax.engine import layers  # noqa: E402
 from kvjax.models import transformer  # noqa: E402
 from kvjax.models.checkpoint import load_hf  # noqa: E402
 
@@ -55,7 +56,7 @@ def test_prefill_logits_all_positions(pair):
         ref = model(torch.tensor(ids)).logits.numpy()
     valid = jnp.ones(ids.shape, bool)
     pos = engine.positions(valid, jnp.zeros(2, jnp.int32))
-    x, _, _ = transformer.prefill(params, cfg, jnp.asarray(ids), valid, pos,
+    x, _, _ = layers.prefill_layers(params, cfg, jnp.asarray(ids), valid, pos,
                                   lambda io, s: (None, s))
     ours = np.asarray(transformer.unembed(params, cfg, x))
     err = np.abs(ours - ref).max()

@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvjax import engine, methods
-from kvjax.methods.cam import cam_merge
+from kvjax.methods.d2o.cam import cam_merge
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")

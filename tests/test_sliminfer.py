@@ -27,8 +27,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import monitoring
 
-from kvjax import engine, methods, offload
-from kvjax.methods.slim import core
+from kvjax import engine, methods
+from kvjax.methods.slim import host_store as offload
+from kvjax.methods.slim import blocks as core
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")
@@ -321,7 +322,7 @@ def test_invariants(pair, runs):
 
 
 def executables():
-    return len(engine._EXECUTABLES)
+    return len(engine.executables._EXECUTABLES)
 
 
 def test_gamma_extremes_and_restrict(pair, runs):

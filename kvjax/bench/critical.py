@@ -5,7 +5,7 @@
         --head-dim 64                                   # the bundled model's shapes
 
 `||V_i W_O^h||_1`, mean over the G query heads of each KV head, for every prompt entry:
-`kvjax.critical.projected_value_norms` (lax.map over blocks of `--block` tokens, at most
+`kvjax.methods.critical.projected_norms.projected_value_norms` (lax.map over blocks of `--block` tokens, at most
 [B, K, G, block, hidden] at once) against `projected_value_norms_dense` ([B, K, G, n,
 hidden] at once). Per context: median time over `--repeats` runs after a compile, the
 compiled program's temporary buffer bytes (XLA's `memory_analysis`: what the program
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.bench.kernels import timed
-from kvjax.critical import projected_value_norms, projected_value_norms_dense
+from kvjax.methods.critical.projected_norms import projected_value_norms, projected_value_norms_dense
 
 
 def temp_bytes(exe) -> int | None:

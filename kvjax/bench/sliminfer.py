@@ -6,7 +6,7 @@
 For each context and method: compile time (apart, not timed), TTFT (prefill + pruning,
 the logits of the last prompt token included) and its ratio to `full` measured in this
 run, decode tokens/s and its ratio, the computed prefill FLOP ratio (per-layer token
-counts of the run, `kvjax.methods.slim.prefill.prefill_flop_ratio`), device-resident KV
+counts of the run, `kvjax.methods.slim.blocks.prefill_flop_ratio`), device-resident KV
 bytes vs a full cache (SlimInfer: mean over decode steps; the others: after prefill), and
 SlimInfer's fraction of decode steps that swapped blocks. Batch 1, greedy, `--repeats`
 timed runs after one that compiles (median).
@@ -34,7 +34,7 @@ def _kv_fraction(stats: dict) -> float:
 def main(argv=None) -> int:
     from kvjax import methods, tasks
     from kvjax.bench.decode import kvjax_run, load_model
-    from kvjax.methods.slim.prefill import prefill_flop_ratio
+    from kvjax.methods.slim.blocks import prefill_flop_ratio
     from kvjax.run import overrides
 
     p = argparse.ArgumentParser(prog="python -m kvjax.bench.sliminfer", description=__doc__,

@@ -59,14 +59,11 @@ def attend(
     ok_BKTS: Bool[Array, "B K T S"],
     return_probs: bool = False,
 ):
-    """Attention output [B, T, H, D] (and, if asked, probabilities [B, K, G, T, S])."""
-    B, T, H, D = q_BTHD.shape
-    if T == 1 and not return_probs:  # decoding: the kernel op when one is selected
-        from kvjax import pallas
+    """Attention output [B, T, H, D] (and, if asked, probabilities [B, K, G, T, S]).
 
-        if pallas.kernels_active():
-            o = pallas.decode_attention(q_BTHD[:, 0], k_BKSD, v_BKSD, ok_BKTS[:, :, 0])
-            return o[:, None]
+    The dense reference; the engine routes one-query decoding to the `decode_attention`
+    kernel op when the run's kernels pick one."""
+    B, T, H, D = q_BTHD.shape
     p = softmax(logits(q_BTHD, k_BKSD), ok_BKTS)
     K = k_BKSD.shape[1]
     p_BKMS = p.reshape(B, K, H // K * T, -1).astype(v_BKSD.dtype)  # same layout as logits

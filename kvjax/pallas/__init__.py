@@ -1,11 +1,12 @@
-"""Pallas kernels for KV-cache compression, one public op per kernel (ARCHITECTURE.md s. 5).
+"""Pallas kernels for KV-cache compression, one public op per kernel (docs/design.md,
+"Kernels").
 
-Each op takes `implementation=None | "xla" | "pallas_tpu" | "pallas_gpu"` and
-`interpret=` (run a Pallas kernel in the CPU interpreter). None means the process default
-(`set_default_implementation`, `python -m kvjax.run --kernels`), whose `auto` picks
-Mosaic TPU on TPU, Mosaic GPU on Hopper or newer, and the `xla` reference elsewhere; an
-op whose kernel cannot take the given inputs falls back to `xla` unless the kernel was
-asked for by name. The reference is always the ground truth of the tests.
+Each op takes `implementation=` (one of `dispatch.CHOICES`; None is `auto`) and
+`interpret=` (run a Pallas kernel in the CPU interpreter). `auto` picks Mosaic TPU on
+TPU, Mosaic GPU on Hopper or newer, and the `xla` reference elsewhere, and falls back to
+`xla` for inputs a kernel cannot take; a kernel asked for by name raises instead. A run
+passes its choices as a static `Kernels` value (`--kernels`), never as a process global.
+The reference is always the ground truth of the tests.
 
 - `window_scores`: pooled, GQA-reduced window attention of the prefix (SnapKV family).
 - `compact`: gather kept K, V, positions into fixed-capacity slots, write `valid`.
@@ -14,19 +15,18 @@ asked for by name. The reference is always the ground truth of the tests.
 """
 
 from kvjax.pallas.dispatch import (  # noqa: F401
+    CHOICES,
     IMPLEMENTATIONS,
+    OPS,
+    Kernels,
     backend_pallas,
-    default_implementation,
-    get_default_implementation,
-    kernels_active,
+    recording,
     resolve,
-    set_default_implementation,
 )
 from kvjax.pallas.ops.compact.api import compact  # noqa: F401
 from kvjax.pallas.ops.decode_attention.api import decode_attention  # noqa: F401
 from kvjax.pallas.ops.value_norms.api import value_norms  # noqa: F401
 from kvjax.pallas.ops.window_scores.api import window_scores  # noqa: F401
 
-__all__ = ["IMPLEMENTATIONS", "backend_pallas", "compact", "decode_attention",
-           "default_implementation", "get_default_implementation", "kernels_active",
-           "resolve", "set_default_implementation", "value_norms", "window_scores"]
+__all__ = ["CHOICES", "IMPLEMENTATIONS", "OPS", "Kernels", "backend_pallas", "compact",
+           "decode_attention", "recording", "resolve", "value_norms", "window_scores"]

@@ -1,49 +1,62 @@
 """Which implementation a kernel op runs, and whether Pallas runs interpreted.
 
-Order of precedence: the op's own `implementation=` argument, then the process default
-(`set_default_implementation`, `--kernels` of `python -m kvjax.run`), then the best the
-backend compiles: Mosaic TPU on TPU, Mosaic GPU on a Hopper-or-newer NVIDIA GPU, else the
-`xla` reference. The default is read when a function is traced, so set it before the
-first call of a jitted program (a compiled program keeps the choice it was traced with).
+The choice is data of the run, not a process global: `Kernels` names one choice per op
+and is a static argument of every compiled program (so it is part of the compile key, as
+MaxText's attention-kernel config field is). An op's own `implementation=` argument is
+that choice: `auto` (or None) picks the best the backend compiles (Mosaic TPU on TPU,
+Mosaic GPU on a Hopper-or-newer NVIDIA GPU, else the `xla` reference) and falls back to
+`xla` for inputs a kernel does not take; `pallas` asks for the backend's kernel (on CPU:
+the TPU kernel in the interpreter, for checks); a name from IMPLEMENTATIONS asks for
+that kernel and raises when it cannot take the inputs.
+
+`recording()` collects, while a program is traced, which implementation each op call
+actually took, so that a run can report it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
 
 IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
-DEFAULTS = ("auto", "xla", "pallas", *IMPLEMENTATIONS)
-
-_default = "auto"  # the module-level switch
-
-
-def get_default_implementation() -> str:
-    return _default
+CHOICES = ("auto", "xla", "pallas", *IMPLEMENTATIONS)
+OPS = ("window_scores", "compact", "decode_attention", "value_norms")
 
 
-def set_default_implementation(kind: str | None) -> None:
-    """`auto` (None): Pallas where the backend compiles it, else xla. `pallas`: the
-    backend's Pallas kernels; where none compiles (CPU, pre-Hopper GPU) the TPU kernels in
-    the interpreter (slow; for checks). Or one of IMPLEMENTATIONS for every op."""
-    global _default
-    kind = "auto" if kind is None else kind
-    if kind not in DEFAULTS:
-        raise ValueError(f"kernels={kind!r}; allowed: {DEFAULTS}")
-    _default = kind
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The implementation each kernel op runs (one of CHOICES per op); hashable and static."""
 
+    window_scores: str = "auto"
+    compact: str = "auto"
+    decode_attention: str = "auto"
+    value_norms: str = "auto"
 
-@contextlib.contextmanager
-def default_implementation(kind: str | None):
-    """Temporarily set the process default (trace time)."""
-    old = get_default_implementation()
-    set_default_implementation(kind)
-    try:
-        yield
-    finally:
-        set_default_implementation(old)
+    def __post_init__(self):
+        for op in OPS:
+            if getattr(self, op) not in CHOICES:
+                raise ValueError(f"kernels: {op}={getattr(self, op)!r}; allowed: {CHOICES}")
+
+    @classmethod
+    def every(cls, choice: str | None) -> "Kernels":
+        """The same choice for every op (`--kernels`)."""
+        return cls(**{op: choice or "auto" for op in OPS})
+
+    def active(self, op: str) -> bool:
+        """Whether `op` goes to a Pallas kernel (before any per-input fallback); callers
+        with their own jnp path (the engine's decode attention) keep it otherwise."""
+        return resolve(getattr(self, op))[0] != "xla"
+
+    def resolved(self) -> dict[str, str]:
+        """{op: implementation} on this backend, before per-input fallbacks."""
+        out = {}
+        for op in OPS:
+            impl, interp, _ = resolve(getattr(self, op))
+            out[op] = impl + (" (interpreted)" if interp else "")
+        return out
 
 
 @functools.cache
@@ -63,34 +76,44 @@ def backend_pallas() -> str | None:
     return _backend_pallas(jax.default_backend())
 
 
-def resolve(implementation: str | None, interpret: bool = False) -> tuple[str, bool, bool]:
-    """-> (implementation, interpret, explicit). `explicit` is False when the choice came
-    from a default: the op may then fall back to xla for inputs a kernel does not take."""
-    explicit = implementation is not None
-    kind = implementation if explicit else get_default_implementation()
-    if kind not in DEFAULTS:
-        raise ValueError(f"implementation={kind!r}; allowed: None, {IMPLEMENTATIONS}")
-    if kind == "auto":
+def resolve(choice: str | None, interpret: bool = False) -> tuple[str, bool, bool]:
+    """-> (implementation, interpret, explicit). `explicit` is False for `auto`: the op
+    may then fall back to xla for inputs a kernel does not take."""
+    choice = choice or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"implementation={choice!r}; allowed: {CHOICES}")
+    if choice == "auto":
         return backend_pallas() or "xla", interpret, False
-    if kind == "pallas":
+    if choice == "pallas":
         best = backend_pallas()
-        return (best, interpret, explicit) if best else ("pallas_tpu", True, explicit)
-    return kind, interpret, explicit
+        return (best, interpret, True) if best else ("pallas_tpu", True, True)
+    return choice, interpret, True
 
 
-def pick(implementation, interpret, reasons: dict[str, str | None]) -> tuple[str, bool]:
+_RECORDS: list[set] = []  # one set per active `recording()`
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect {(op, implementation)} of every op call traced inside the block."""
+    used: set = set()
+    _RECORDS.append(used)
+    try:
+        yield used
+    finally:
+        _RECORDS.remove(used)
+
+
+def pick(op: str, implementation, interpret, reasons: dict[str, str | None]
+         ) -> tuple[str, bool]:
     """Resolve, then fall back to xla when the chosen kernel gave a reason it cannot run
     (`reasons[impl]`), unless the caller asked for that kernel by name."""
     impl, interp, explicit = resolve(implementation, interpret)
     why = reasons.get(impl)
     if impl != "xla" and why:
         if explicit:
-            raise ValueError(f"implementation={impl!r} cannot run these inputs: {why}")
-        return "xla", False
+            raise ValueError(f"{op}: implementation={impl!r} cannot run these inputs: {why}")
+        impl, interp = "xla", False
+    for used in _RECORDS:
+        used.add((op, impl + (" (interpreted)" if interp else "")))
     return impl, interp
-
-
-def kernels_active() -> bool:
-    """Whether the process default sends ops to a Pallas kernel (callers that have their
-    own jnp path, like `attention.attend`, keep it when this is False)."""
-    return resolve(None)[0] != "xla"

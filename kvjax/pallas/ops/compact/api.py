@@ -1,7 +1,7 @@
 """`compact`: gather each head's kept rows of K, V and positions into fixed-capacity slots.
 
 `idx` holds, per (batch, KV head), the kept source rows in slot order (ascending, from
-`lax.top_k` then a sort: `kvjax.methods.layerwise.top_with_window`); the first
+`lax.top_k` then a sort: `kvjax.compress.selection.top_with_window`); the first
 `count` slots are live. Dead slots come back as zeros with `valid` False, so that a
 masked attention multiplying them by 0 never meets NaN.
 """
@@ -30,7 +30,7 @@ def compact(
     if k_BKTD.dtype != v_BKTD.dtype or k_BKTD.shape != v_BKTD.shape:
         raise ValueError("k and v must have the same shape and dtype")
     rows_of = {"pallas_tpu": rows or 16, "pallas_gpu": rows or 32}
-    impl, interp = dispatch.pick(implementation, interpret, {
+    impl, interp = dispatch.pick("compact", implementation, interpret, {
         "pallas_tpu": pallas_tpu.reason(idx_BKS, rows_of["pallas_tpu"]),
         "pallas_gpu": pallas_gpu.reason(k_BKTD, rows_of["pallas_gpu"]),
     })

@@ -1,11 +1,11 @@
-"""The reference: `kvjax.cache.gather` at the kept indices; dead slots are zeros."""
+"""The reference: `kvjax.compress.cache.take_slots` at the kept indices; dead slots are zeros."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.cache import gather
+from kvjax.compress.cache import take_slots
 
 
 def live_slots(count_BK: Int[Array, "B K"], S: int) -> Bool[Array, "B K S"]:
@@ -22,5 +22,5 @@ def compact(
     """-> (k, v [B, K, S, D], pos, valid [B, K, S]): slot s of a head holds row idx[s] if
     s < count, else zeros (dead rows must be finite: attention multiplies them by 0)."""
     valid = live_slots(count_BK, idx_BKS.shape[-1])
-    keep = lambda x: jnp.where(valid[..., None] if x.ndim == 4 else valid, gather(x, idx_BKS), 0)
+    keep = lambda x: jnp.where(valid[..., None] if x.ndim == 4 else valid, take_slots(x, idx_BKS), 0)
     return keep(k_BKTD), keep(v_BKTD), keep(pos_BKT), valid

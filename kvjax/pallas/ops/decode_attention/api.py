@@ -33,7 +33,7 @@ def decode_attention(
     if H % K:
         raise ValueError(f"{H} query heads are not a multiple of {K} KV heads")
     tiles = {"pallas_tpu": tile or 512, "pallas_gpu": tile or 128}
-    impl, interp = dispatch.pick(implementation, interpret, {
+    impl, interp = dispatch.pick("decode_attention", implementation, interpret, {
         "pallas_tpu": pallas_tpu.reason(q_BHD, k_BKSD, tiles["pallas_tpu"]),
         "pallas_gpu": pallas_gpu.reason(q_BHD, k_BKSD, tiles["pallas_gpu"]),
     })

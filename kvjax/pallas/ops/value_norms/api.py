@@ -25,7 +25,7 @@ def value_norms(
     if o_HDM.shape[0] % (K * Dh):
         raise ValueError(f"o has {o_HDM.shape[0]} rows, not a multiple of K * Dh = {K * Dh}")
     tiles = {"pallas_tpu": tile or 512, "pallas_gpu": tile or 128}
-    impl, interp = dispatch.pick(implementation, interpret, {
+    impl, interp = dispatch.pick("value_norms", implementation, interpret, {
         "pallas_tpu": pallas_tpu.reason(v_BKTD, o_HDM, tiles["pallas_tpu"]),
         "pallas_gpu": pallas_gpu.reason(v_BKTD, o_HDM, tiles["pallas_gpu"]),
     })

@@ -1,6 +1,7 @@
 """`window_scores`: the pooled window attention score of every prefix column, per KV head.
 
-Conventions (METHODS.md section 0; `kvjax.scoring.snap_scores` is the reference): the last
+Conventions (docs/methods.md, "Conventions"; `kvjax.compress.scoring.snap_scores` is the
+reference): the last
 `window` queries attend, softmax in fp32 at 1/sqrt(d) over every key each sees (prefix
 and, causally, the window); the prefix columns [0, T - window) are reduced over the
 window (`reduce`: sum or mean), pooled per query head (stride 1, `kernel // 2` padding;
@@ -12,12 +13,9 @@ from __future__ import annotations
 
 from jaxtyping import Array, Bool, Float
 
+from kvjax.compress.scoring import GQA_REDUCTIONS, POOLINGS, WINDOW_REDUCTIONS
 from kvjax.pallas import dispatch
 from kvjax.pallas.ops.window_scores import pallas_gpu, pallas_tpu, xla
-
-POOLINGS = ("avg", "max", "none")
-GQA = ("mean", "sum", "max")
-REDUCE = ("mean", "sum")
 
 
 def window_scores(
@@ -39,14 +37,14 @@ def window_scores(
     T = q_BTHD.shape[1]
     if not 1 <= window <= T:
         raise ValueError(f"window={window} must be in [1, {T}]")
-    if pooling not in POOLINGS or gqa not in GQA or reduce not in REDUCE:
+    if pooling not in POOLINGS or gqa not in GQA_REDUCTIONS or reduce not in WINDOW_REDUCTIONS:
         raise ValueError(f"pooling={pooling!r}, gqa={gqa!r}, reduce={reduce!r}; allowed: "
-                         f"{POOLINGS}, {GQA}, {REDUCE}")
+                         f"{POOLINGS}, {GQA_REDUCTIONS}, {WINDOW_REDUCTIONS}")
     if pooling != "none" and (kernel < 1 or kernel % 2 == 0):
         raise ValueError(f"pooling kernel={kernel} must be a positive odd integer")
     kw = dict(window=window, kernel=kernel, pooling=pooling, gqa=gqa, reduce=reduce)
     tiles = {"pallas_tpu": tile or 512, "pallas_gpu": tile or 128}
-    impl, interp = dispatch.pick(implementation, interpret, {
+    impl, interp = dispatch.pick("window_scores", implementation, interpret, {
         "pallas_tpu": pallas_tpu.reason(q_BTHD, k_BKTD, window, kernel, tiles["pallas_tpu"]),
         "pallas_gpu": pallas_gpu.reason(q_BTHD, k_BKTD, window, kernel, tiles["pallas_gpu"]),
     })

@@ -1,0 +1,123 @@
+"""How many entries each layer and head keeps (docs/methods.md, "Conventions" and "Baselines").
+
+`budget` is always entries per (layer, KV head), window and sinks included. Static
+schedules (uniform, PyramidKV) are computed on the host in float64, exactly as kvpress
+computes them in Python; data-dependent allocations (AdaKV's flattened top-k) run under
+jit on the scores.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from kvjax.compress.selection import mark
+
+
+def uniform(budget: int, num_layers: int) -> np.ndarray:
+    """[L] the same budget for every layer."""
+    return np.full((num_layers,), budget, np.int32)
+
+
+def pyramid(budget: int, n: int, num_layers: int, window: int, beta: float) -> np.ndarray:
+    """[L] PyramidKV's linear schedule, exactly kvpress `PyramidKVPress.get_layer_budget`.
+
+    PyramidKV (Cai et al. 2024; written out as lava.txt Eq. 21): the last layer keeps
+    `B / beta`, the first `2B - B / beta`, linear in between, so the mean over layers is
+    the average budget `B`. kvpress's form (with `B = n (1 - ratio)` entries per layer,
+    window included -- its `max_capacity_prompt - window_size`):
+
+        min = B / beta;  max = 2B - min
+        if max >= n - window:  max = n - window;  min = 2B - max
+        if not (n >= max >= min >= window):  every layer keeps B   (fallback to SnapKV)
+        layer l keeps round(max - l * (max - min) / (L - 1))      (round half to even)
+
+    `n` is the prompt length. Python floats and `round`, as kvpress, so that the integers
+    agree with it bit for bit.
+    """
+    if beta < 1:
+        raise ValueError(f"beta={beta} must be >= 1")
+    b = float(budget)
+    min_num = b / beta
+    max_num = b * 2 - min_num
+    if max_num >= n - window:
+        max_num = n - window
+        min_num = b * 2 - max_num
+    if not (n >= max_num >= min_num >= window):
+        return np.full((num_layers,), max(1, round(b)), np.int32)
+    steps = (max_num - min_num) / (num_layers - 1) if num_layers > 1 else 0.0
+    return np.array([round(max_num - l * steps) for l in range(num_layers)], np.int32)
+
+
+def pyramid_table(budget: int, n_max: int, num_layers: int, window: int, beta: float
+                  ) -> np.ndarray:
+    """[N + 1, L] `pyramid` for every prompt length n = 0..N, where N = min(n_max, 2B + w + 1).
+
+    The schedule depends on n only while `2B - B/beta >= n - window` (the cap) or
+    `n < max` (the fallback), i.e. for n <= 2B + window; longer prompts use row N. Index
+    with `min(n, N)` under jit. Rows for n < budget are clamped to n (never used: such
+    prompts are rejected by `validate`).
+    """
+    N = int(min(n_max, 2 * budget + window + 1))
+    rows = [np.minimum(pyramid(budget, n, num_layers, window, beta), max(n, 0))
+            for n in range(N + 1)]
+    return np.stack(rows).astype(np.int32)
+
+
+def flattened_heads(
+    scores_BKn: Float[Array, "B K n"],
+    per_head_B1: Int[Array, "B 1"],
+    n_safe_B: Int[Array, "B"],
+    max_per_head: int,
+    max_safe: int,
+    with_safe: bool = False,
+):
+    """AdaKV's flattened selection (kvpress `AdaKVPress.compress` semantics).
+
+    With `b` the uniform per-head budget of the layer (traced, per batch element; at most
+    `max_per_head`, static):
+      1. safeguard: every head keeps its own top `n_safe` entries (kvpress:
+         `int(b * alpha)`, at least 1 when alpha > 0; computed by the caller in Python
+         float64 so the integers agree with kvpress; n_safe <= max_safe, static);
+      2. one top-k over heads x positions keeps `K * b` entries in total.
+    Forced entries (window, sinks) must already score +inf and padding -inf; kvpress gives
+    its window `max + 1`, which is above every prefix score, so the two agree. Note that
+    the safeguard is then spent on the window whenever `n_safe <= window` (as in kvpress).
+    Returns the keep mask (per-head counts are its sums; they add up to `K * b`), and with
+    `with_safe` also the safeguard mask (the top `n_safe` of every head).
+    """
+    B, K, n = scores_BKn.shape
+    b = per_head_B1.reshape(B, 1)
+    s = scores_BKn
+    bump = jnp.zeros(s.shape, bool)
+    if max_safe > 0:
+        top = jax.lax.top_k(s, min(max_safe, n))[1]  # [B, K, max_safe]
+        bump = mark(s.shape, top, jnp.arange(top.shape[-1]) < n_safe_B[:, None, None])
+        s = jnp.where(bump, jnp.inf, s)
+    total = K * b[:, 0]  # [B]
+    k_max = min(K * max_per_head, K * n)
+    _, flat = jax.lax.top_k(s.reshape(B, K * n), k_max)  # lower index first on ties
+    take = jnp.arange(k_max)[None, :] < total[:, None]
+    keep = jnp.zeros((B, K * n), bool).at[jnp.arange(B)[:, None], flat].set(take)
+    return (keep.reshape(B, K, n), bump) if with_safe else keep.reshape(B, K, n)
+
+
+def adakv_code_counts(
+    scores_BKP: Float[Array, "B K P"], base: Int[Array, "B"], alpha: float
+) -> Int[Array, "B K"]:
+    """The AdaKV authors' code variant (FFY0/AdaKV `AdaptiveSnapKVCluster`): counts of each
+    head in a flattened top-`K * base` over the prefix scores (window apart), then mixed
+    with a uniform floor: `round(count * (1 - alpha) + int(base * alpha))` per head. The
+    counts then need not add up to `K * base` exactly (rounding). `base` excludes the
+    window; prefix padding must score -inf.
+    """
+    B, K, P = scores_BKP.shape
+    order = jnp.argsort(-scores_BKP.reshape(B, K * P), axis=-1, stable=True)
+    rank = jnp.zeros_like(order).at[jnp.arange(B)[:, None], order].set(
+        jnp.broadcast_to(jnp.arange(K * P), (B, K * P)))
+    chosen = (rank < (K * base)[:, None]).reshape(B, K, P)
+    count = jnp.sum(chosen, axis=-1).astype(jnp.float32)
+    floor = jnp.floor(base.astype(jnp.float32) * alpha)[:, None]
+    return jnp.round(count * (1 - alpha) + floor).astype(jnp.int32)

@@ -1,0 +1,143 @@
+"""The KV cache: a fixed-shape pytree with masked budgets (docs/design.md, "The cache").
+
+Every array has a static shape, so one compiled program serves every budget: a layer or
+head that keeps fewer entries has fewer `valid` slots, not a smaller array. Keys are
+stored with RoPE already applied at their original position, and `pos` remembers that
+position: compaction never renumbers positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from kvjax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerKV:
+    """The entries of one layer, or of every layer with a leading L axis (the layer scan
+    stacks what each layer keeps). In a decode hook's result `k` and `v` may be
+    `kvjax.compress.layer.Rows`: only those rows change."""
+
+    k: Any  # Float[Array, "(L) B K S Dh"] | Rows
+    v: Any
+    pos: Int[Array, "(L) B K S"]  # original token positions
+    valid: Bool[Array, "(L) B K S"]  # live slots
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    k: Float[Array, "L B K C D"]
+    v: Float[Array, "L B K C D"]
+    pos: Int[Array, "L B K C"]  # original token position of each slot
+    valid: Bool[Array, "L B K C"]  # live slots: the masked budget
+    end: Int[Array, ""]  # next free slot, shared by all layers, batch elements and heads
+    next_pos: Int[Array, "B"]  # original position the next token of each element gets
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def kv(self) -> LayerKV:
+        """k, v, pos and valid of every layer [L, ...]."""
+        return LayerKV(self.k, self.v, self.pos, self.valid)
+
+    @classmethod
+    def of(cls, kv: LayerKV, end, next_pos) -> "KVCache":
+        return cls(kv.k, kv.v, kv.pos, kv.valid, end=end, next_pos=next_pos)
+
+
+
+def write(
+    kv: LayerKV,
+    layer: Int[Array, ""],
+    k_BKTD: Float[Array, "B K T D"],
+    v_BKTD: Float[Array, "B K T D"],
+    pos_BT: Int[Array, "B T"],
+    valid_BT: Bool[Array, "B T"],
+    slot_BKT: Int[Array, "B K T"],
+):
+    """Scatter T new entries of one layer into the given slots of every layer's kv [L,B,K,C,..].
+
+    Only the written rows move (an in-place scatter inside the decode loop), not the layer.
+    """
+    lead = (layer,)
+    return LayerKV(
+        set_rows(kv.k, lead, slot_BKT, k_BKTD),
+        set_rows(kv.v, lead, slot_BKT, v_BKTD),
+        set_rows(kv.pos, lead, slot_BKT, jnp.broadcast_to(pos_BT[:, None, :], slot_BKT.shape)),
+        set_rows(kv.valid, lead, slot_BKT,
+                 jnp.broadcast_to(valid_BT[:, None, :], slot_BKT.shape)),
+    )
+
+
+def set_rows(x: Array, lead: tuple, slot_BKE: Int[Array, "B K E"], new: Array) -> Array:
+    """x [*lead, B, K, C, ...] with slots slot_BKE of x[lead] set to new [B, K, E, ...]; a
+    slot >= C drops its row."""
+    B, K, _ = slot_BKE.shape
+    idx = (*lead, jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], slot_BKE)
+    return x.at[idx].set(new.astype(x.dtype), mode="drop")
+
+
+
+
+def take_slots(x_BKC: Array, idx_BKS: Int[Array, "B K S"]) -> Array:
+    """Rows of a per-(batch, head) slot axis at the given indices (axis 2)."""
+    if x_BKC.ndim == 4:
+        return jnp.take_along_axis(x_BKC, idx_BKS[..., None], axis=2)
+    return jnp.take_along_axis(x_BKC, idx_BKS, axis=2)
+
+
+def pad_capacity(cache: KVCache, capacity: int) -> KVCache:
+    """Grow the slot axis to `capacity` with dead slots (decoding headroom)."""
+    extra = capacity - cache.capacity
+    if extra < 0:
+        raise ValueError(f"capacity {capacity} is smaller than the cache's {cache.capacity}")
+    if extra == 0:
+        return cache
+    pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, extra)] + [(0, 0)] * (x.ndim - 4))
+    return dataclasses.replace(
+        cache, k=pad(cache.k), v=pad(cache.v), pos=pad(cache.pos), valid=pad(cache.valid)
+    )
+
+
+def live_extent(cache: KVCache) -> Int[Array, ""]:
+    """1 + the last slot live in any (layer, element, head); 0 for an empty cache."""
+    slot_C = jnp.arange(1, cache.capacity + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(cache.valid, slot_C, 0))
+
+
+def shrink(cache: KVCache, slots: int, capacity: int) -> KVCache:
+    """Keep the first `slots` slots (every live one must be among them: `live_extent`),
+    append from there, and pad to `capacity` for what comes next."""
+    cut = lambda x: x[:, :, :, :slots]  # noqa: E731
+    cache = dataclasses.replace(cache, k=cut(cache.k), v=cut(cache.v), pos=cut(cache.pos),
+                                valid=cut(cache.valid), end=jnp.asarray(slots, jnp.int32))
+    return pad_capacity(cache, capacity)
+
+
+def kv_bytes(cache: KVCache) -> dict[str, int]:
+    """Live bytes (what a paged allocator would hold) and allocated bytes (this layout)."""
+    per_slot = 2 * cache.k.shape[-1] * cache.k.dtype.itemsize
+    live = int(np.count_nonzero(np.asarray(cache.valid))) * per_slot
+    allocated = int(cache.valid.size) * per_slot
+    return {"kv_bytes_live": live, "kv_bytes_allocated": allocated}
+
+
+def full_kv_bytes(cfg: ModelConfig, tokens: int, dtype=jnp.float32) -> int:
+    """Bytes an uncompressed cache holds for `tokens` tokens of one sequence."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * tokens * itemsize

@@ -1,0 +1,71 @@
+"""What a method's hooks see of one layer and what they hand back (docs/design.md, "Hooks").
+
+- `LayerIO`: one layer's queries, keys, values, positions and outputs, built by the
+  engine's layer loops (prefill and cache extension) and passed to every layer hook.
+  Its static fields carry the model config and the kernel implementations of the run,
+  so a hook can size its output and call a kernel op without any global.
+- `LayerKV`: the (k, v, pos, valid) a layer keeps; stacked over layers by the scan.
+- `Rows`: a decode hook's sparse update of one layer's k or v.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jaxtyping import Array, Bool, Float, Int
+
+from kvjax.compress.cache import LayerKV, set_rows
+from kvjax.config import ModelConfig
+from kvjax.pallas.dispatch import Kernels
+
+__all__ = ["LayerIO", "LayerKV", "Rows"]
+
+
+@dataclasses.dataclass
+class LayerIO:
+    """What a method hook sees of one layer: everything the papers score with."""
+
+    layer: Int[Array, ""]
+    q: Float[Array, "B T H Dh"]  # RoPE applied
+    k: Float[Array, "B K S Dh"]  # prefill: the prompt's keys; decode: the layer's cache slots
+    v: Float[Array, "B K S Dh"]
+    pos: Int[Array, "B K S"]  # original positions of those keys
+    valid: Bool[Array, "B K S"]
+    qpos: Int[Array, "B T"]
+    o: Float[Array, "B T H Dh"]  # attention output before W_O
+    hidden: Float[Array, "B T D"]  # residual stream after the layer
+    qvalid: Bool[Array, "B T"] | None = None  # which queries are real tokens (not padding)
+    wo: Float[Array, "HDh D"] | None = None  # the layer's output projection W_O
+    cfg: ModelConfig | None = None  # static: the model
+    kernels: Kernels = Kernels()  # static: the run's kernel implementations
+
+    @property
+    def kv(self) -> LayerKV:
+        return LayerKV(self.k, self.v, self.pos, self.valid)
+
+    @property
+    def valid_BT(self) -> Bool[Array, "B T"]:
+        """Prefill: which prompt columns are tokens (padding is False)."""
+        return self.valid[:, 0]
+
+
+jax.tree_util.register_dataclass(
+    LayerIO,
+    data_fields=["layer", "q", "k", "v", "pos", "valid", "qpos", "o", "hidden", "qvalid", "wo"],
+    meta_fields=["cfg", "kernels"])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Rows:
+    """A decode hook's sparse update of one layer's k or v: rows `idx` [B, K, E] (C drops
+    the row) set to `new` [B, K, E, Dh]. The engine scatters it into the cache in place;
+    a whole new [B, K, C, Dh] layer would cost a copy of the layer and its write-back."""
+
+    idx: Int[Array, "B K E"]
+    new: Float[Array, "B K E Dh"]
+
+    def into(self, x: Float[Array, "B K C Dh"]) -> Float[Array, "B K C Dh"]:
+        """x with the rows set (the dense equivalent of what the engine writes)."""
+        return set_rows(x, (), self.idx, self.new)

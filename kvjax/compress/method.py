@@ -1,0 +1,165 @@
+"""The method protocol: a frozen dataclass of hyperparameters and the hooks the engine calls.
+
+A method is hashable, so it is a static argument of `jit`. It never runs the model: the
+engine (`kvjax.engine`) owns prefill, compression and decoding, and calls the hooks below
+at fixed points (docs/design.md, "Hooks"). Every hook is a method of this class with a
+documented default that does nothing; the base class is itself the uncompressed baseline
+`full`.
+
+Prefill. `prefill_kind` picks one of the engine's prefill loops:
+  "scan"             every layer on the whole prompt (`kvjax.engine.layers`); after each
+                     layer's attention `after_layer_prefill` decides what the layer keeps,
+                     and `finalize` allocates across layers at the end;
+  "token_selection"  tokens are selected once at some layer and deeper layers run on them
+                     (ASL, FastKV, GemFilter; hooks in `kvjax.methods.asl.layerwise`);
+  "block_pruning"    blocks of hidden states are pruned at fixed stages (SlimInfer, LazyLLM;
+                     hooks in `kvjax.methods.slim.sliminfer`).
+
+Decoding. The engine writes each new token into `decode_slots` (default: append), runs
+every layer, and calls `decode_layer` after each layer's attention when
+`uses_decode_layer()`. A method that moves KV between host and device between steps
+(SlimInfer's offload) says so with `steps_on_host()`: the engine then runs its host loop
+of compiled steps and calls `between_steps` before each one.
+
+Statistics. `finalize` and `decode_stats` return the method's own statistics: one
+mapping, merged beside the engine's (`kv_bytes_*`, `ttft_s`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+
+from kvjax.compress.cache import KVCache, LayerKV
+from kvjax.compress.layer import LayerIO
+from kvjax.config import ModelConfig
+
+PREFILL_KINDS = ("scan", "token_selection", "block_pruning")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """`full`: the uncompressed cache, every prompt entry kept (the baseline of every table)."""
+
+    name: ClassVar[str] = "full"
+    prefill_kind: ClassVar[str] = "scan"
+    # chooses by position alone (no attention scores), so it is sound under a sliding window
+    positional: ClassVar[bool] = True
+
+    # ---- before tracing ---------------------------------------------------------------
+
+    def validate(self, n: int, cfg: ModelConfig) -> None:
+        """Raise ValueError naming the bad value when this method cannot run on n tokens."""
+
+    def with_budget(self, budget: int) -> "Method":
+        """This method at a KV budget of `budget` entries per (layer, KV head) (`--budget`);
+        a method without a budget (`full`) is returned unchanged."""
+        if "budget" in {f.name for f in dataclasses.fields(self)}:
+            return dataclasses.replace(self, budget=budget)
+        return self
+
+    def kept_slots(self, n: int) -> int:
+        """Static slots per (layer, KV head) after the prefill of an n-token (padded) prompt."""
+        return n
+
+    def cache_slots(self, n: int, cfg: ModelConfig) -> int:
+        """`kept_slots` on a given model (for methods whose count depends on it: AdaKV's
+        heads, HeadKV's budget table)."""
+        return self.kept_slots(n)
+
+    # ---- prefill ("scan") --------------------------------------------------------------
+
+    def init_state(self, cfg: ModelConfig, batch: int, n: int) -> Any:
+        """The state carried through the prefill's layer scan."""
+        return None
+
+    def after_layer_prefill(self, io: LayerIO, state: Any) -> tuple[LayerKV, Any, Any]:
+        """Inside the layer scan: (what this layer keeps, per-layer outputs for `finalize`
+        (stacked over layers; None for nothing), state)."""
+        return io.kv, None, state
+
+    def finalize(self, kv: LayerKV, aux: Any, state: Any) -> tuple[LayerKV, Any, dict]:
+        """After the scan (kv and aux stacked over layers): (the cache's kv, the decode
+        state, the method's statistics). Cross-layer allocation happens here (LAVa, D2O)."""
+        return kv, state, {}
+
+    def next_position(self, kv: LayerKV, pos_BT, valid_BT):
+        """[B] the position the first token after the prompt gets: the largest kept
+        position + 1 (the last prompt token is kept; GemFilter-style second passes
+        renumber positions). Methods that may evict the last token override it."""
+        return jnp.max(jnp.where(kv.valid, kv.pos, -1), axis=(0, 2, 3)) + 1
+
+    # ---- decoding -----------------------------------------------------------------------
+
+    def decode_capacity(self, kept: int, question: int, max_new: int) -> int:
+        """Slots per (layer, head) of the decoding cache: the prefill's `kept` slots plus
+        room for a `question` chunk (context-only scenario) and `max_new` tokens."""
+        return kept + question + max_new
+
+    def pad_state(self, state: Any, capacity: int) -> Any:
+        """The decode state once the cache has `capacity` slots (per-slot state such as
+        H2O's accumulated scores)."""
+        return state
+
+    def decode_slots(self, cache: KVCache, state: Any, T: int):
+        """Slots [L, B, K, T] the next T tokens are written to; None appends at `end`."""
+        return None
+
+    def decode_layer(self, io: LayerIO, probs, state: Any) -> tuple[LayerKV, Any]:
+        """After each layer's attention while the cache is extended (decoding, or a
+        question chunk): `probs` [B, K, G, T, C]. Returns the layer's kv (k and v may be
+        `Rows`, scattered in place) and the state. Called only when `uses_decode_layer()`."""
+        return io.kv, state
+
+    def revival(self, layer, state: Any):
+        """Before a layer's attention while the cache is extended: rows of the cache to
+        recompute at this layer, as (hidden states x [B, R, D], their cache slots [B, R]
+        (-1: none), whether any row is to be recomputed), or None (the default: nothing).
+        The engine writes their keys and values at this layer, runs the layer on them over
+        the layer's cache (causally), and hands the new x to `revived`. SlimInfer revives
+        blocks pruned at prefill from their stored hidden states this way."""
+        return None
+
+    def revived(self, layer, x_BRD, state: Any) -> Any:
+        """The state once the rows of `revival` went through the layer (x after it)."""
+        return state
+
+    def after_step(self, cfg: ModelConfig, cache: KVCache, state: Any) -> Any:
+        """After every layer saw the new tokens (compiled, once per extension)."""
+        return state
+
+    def uses_decode_layer(self) -> bool:
+        """Whether the engine must call `decode_layer` (and compute attention probabilities
+        for it): by default, when a subclass overrides it."""
+        return type(self).decode_layer is not Method.decode_layer
+
+    def steps_on_host(self) -> bool:
+        """True: decode is a host loop of compiled steps with `between_steps` before each
+        (host <-> device copies cannot happen inside a `lax.while_loop`)."""
+        return False
+
+    def between_steps(self, host: Any, cache: KVCache, state: Any, done) -> tuple[KVCache, Any]:
+        """Host-side, before each step of a `steps_on_host` method: may move KV between
+        host and device. `host` is the bookkeeping `init_host` returned."""
+        return cache, state
+
+    def init_host(self, cfg: ModelConfig, cache: KVCache, state: Any, compile
+                  ) -> tuple[Any, Any, float]:
+        """Before a `steps_on_host` decode: (host bookkeeping, the decode state, seconds
+        spent compiling the hook's own programs, reported apart from the run's time).
+        `compile(fn, args, **static)` is the engine's ahead-of-time compiler."""
+        return None, state, 0.0
+
+    def decode_stats(self, host: Any, state: Any) -> dict:
+        """The method's statistics of the decoding phase (merged into its prefill stats)."""
+        return {}
+
+    def static_after_prefill(self) -> bool:
+        """True when decoding only appends (no decode-time hooks, state or slots): then
+        the dead slots the prefill left may be dropped before decoding."""
+        cls = type(self)
+        return (not self.uses_decode_layer() and not self.steps_on_host()
+                and cls.decode_slots is Method.decode_slots and cls.pad_state is Method.pad_state
+                and cls.decode_capacity is Method.decode_capacity)

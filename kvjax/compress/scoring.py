@@ -1,0 +1,221 @@
+"""Token scores shared by the eviction methods (docs/methods.md, "Conventions").
+
+Every function is pure `jnp`, padding-aware and shape-annotated. Conventions:
+
+- prompts are left-padded: `valid_BT` is False on padding, the last `window` columns are
+  the last `window` prompt tokens of every batch element;
+- attention probabilities are a softmax in float32 at scale 1/sqrt(d) over every key a
+  query may see (live, not in its future), exactly as the model's own attention;
+- scores of padding columns come out as 0 (they get no attention), which is what
+  PyTorch's zero padding gives avg pooling at the left edge; selection helpers turn them
+  into -inf so they are never kept (`mask_padding`);
+- nothing larger than [B, H, window, n] (window scores) or [B, H, block, n] (cumulative
+  attention) is materialised.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from kvjax.models import attention
+
+# the one place these choices are declared (methods and kernel ops validate against them)
+GQA_REDUCTIONS = ("mean", "max", "sum")  # over the G query heads of a KV head
+POOLINGS = ("avg", "max", "none")  # along the token axis
+WINDOW_REDUCTIONS = ("mean", "sum")  # over the observation window's queries
+
+
+def pool1d(x: Float[Array, "... n"], kernel: int, kind: str) -> Float[Array, "... n"]:
+    """Stride-1 pooling along the last axis with `kernel // 2` padding, length unchanged.
+
+    avg counts the zero padding (torch `avg_pool1d`'s default `count_include_pad=True`, so
+    the edges are damped); max pads with -inf (torch `max_pool1d`). Odd kernels only.
+    """
+    if kind == "none" or kernel == 1:
+        return x
+    if kernel % 2 == 0:
+        raise ValueError(f"pooling kernel={kernel} must be odd (same-length output)")
+    pad = kernel // 2
+    widths = [(0, 0)] * (x.ndim - 1) + [(pad, pad)]
+    if kind == "avg":
+        xp = jnp.pad(x, widths)
+        c = jnp.cumsum(xp, axis=-1)
+        c = jnp.pad(c, [(0, 0)] * (x.ndim - 1) + [(1, 0)])
+        n = x.shape[-1]
+        return (c[..., kernel: kernel + n] - c[..., :n]) / kernel
+    if kind == "max":
+        xp = jnp.pad(x, widths, constant_values=-jnp.inf)
+        return jax.lax.reduce_window(xp, -jnp.inf, jax.lax.max, (1,) * (x.ndim - 1) + (kernel,),
+                                     (1,) * x.ndim, "VALID")
+    raise ValueError(f"pooling={kind!r}; allowed: {POOLINGS}")
+
+
+def gqa_reduce(s: Float[Array, "B K G ..."], how: str) -> Float[Array, "B K ..."]:
+    """Reduce over the G query heads that share a KV head (axis 2): mean, max or sum."""
+    if how == "mean":
+        return jnp.mean(s, axis=2)
+    if how == "max":
+        return jnp.max(s, axis=2)
+    if how == "sum":
+        return jnp.sum(s, axis=2)
+    raise ValueError(f"gqa={how!r}; allowed: {GQA_REDUCTIONS}")
+
+
+def mask_padding(s: Float[Array, "B K n"], valid: Bool[Array, "B n"]) -> Float[Array, "B K n"]:
+    """-inf on padding columns so that no selection ever keeps them."""
+    return jnp.where(valid[:, None, :], s, -jnp.inf)
+
+
+def window_attention(
+    q_BTHD: Float[Array, "B T H D"],
+    k_BKTD: Float[Array, "B K T D"],
+    valid_BT: Bool[Array, "B T"],
+    window: int,
+    reduce: str = "mean",
+) -> Float[Array, "B K G P"]:
+    """Attention of the last `window` queries to the prefix columns [0, P = T - window).
+
+    Window query i (at column T - window + i) sees every live key up to itself; the softmax
+    runs over all of them in float32 at 1/sqrt(d), then only the prefix columns are kept
+    and reduced over the window (`mean` as kvpress/AdaKV, or `sum` as the SnapKV code).
+    Holds [B, H, window, T] at most.
+    """
+    B, T, H, D = q_BTHD.shape
+    K = k_BKTD.shape[1]
+    qw = q_BTHD[:, T - window:]
+    s = attention.logits(qw, k_BKTD)  # [B, K, G, w, T] float32, scaled
+    causal = jnp.arange(T)[None, :] <= jnp.arange(T - window, T)[:, None]  # [w, T]
+    ok = causal[None, None] & valid_BT[:, None, None, :]
+    p = attention.softmax(s, jnp.broadcast_to(ok, (B, K, window, T)))[..., : T - window]
+    if reduce == "mean":
+        return jnp.mean(p, axis=3)
+    if reduce == "sum":
+        return jnp.sum(p, axis=3)
+    raise ValueError(f"window reduce={reduce!r}; allowed: {WINDOW_REDUCTIONS}")
+
+
+def snap_scores(
+    q_BTHD: Float[Array, "B T H D"],
+    k_BKTD: Float[Array, "B K T D"],
+    valid_BT: Bool[Array, "B T"],
+    window: int,
+    kernel: int,
+    pooling: str,
+    gqa: str = "mean",
+    reduce: str = "mean",
+) -> Float[Array, "B K P"]:
+    """SnapKV's pooled window score of every prefix column, per KV head.
+
+    Order as in kvpress `SnapKVPress.score` and the AdaKV code: reduce over the window,
+    pool per query head, then reduce over the GQA group. Padding columns score 0 here.
+    """
+    s = window_attention(q_BTHD, k_BKTD, valid_BT, window, reduce)
+    return gqa_reduce(pool1d(s, kernel, pooling), gqa)
+
+
+def last_token_attention(
+    q_BTHD: Float[Array, "B T H D"],
+    k_BKSD: Float[Array, "B K S D"],
+    valid_BS: Bool[Array, "B S"],
+) -> Float[Array, "B K G S"]:
+    """Softmax attention of the last query over every live column (TOVA; LazyLLM over the
+    tokens a stage kept). The last query sees every column: it is the newest token."""
+    B = q_BTHD.shape[0]
+    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+    s = attention.logits(q_BTHD[:, -1:], k_BKSD)  # [B, K, G, 1, S]
+    ok = jnp.broadcast_to(valid_BS[:, None, None, :], (B, K, 1, S))
+    return attention.softmax(s, ok)[..., 0, :]
+
+
+def fold_query_blocks(
+    step: Callable,
+    init: Any,
+    q_BTHD: Float[Array, "B T H D"],
+    k_BKSD: Float[Array, "B K S D"],
+    qpos_BT: Int[Array, "B T"],
+    qvalid_BT: Bool[Array, "B T"],
+    kpos_BKS: Int[Array, "B K S"],
+    kvalid_BKS: Bool[Array, "B K S"],
+    block: int = 256,
+) -> Any:
+    """`carry = step(carry, probs [B, K, G, b, S], ok [B, K, b, S], qvalid [B, b])` over
+    blocks of `block` queries of the causal softmax (a `lax.scan`), so that at most
+    [B, H, block, S] exists at a time; the last block is padded with invalid queries."""
+    B, T, H, D = q_BTHD.shape
+    block = min(block, T)
+    nb = -(-T // block)
+    pad = nb * block - T
+    if pad:
+        q_BTHD = jnp.pad(q_BTHD, [(0, 0), (0, pad), (0, 0), (0, 0)])
+        qpos_BT = jnp.pad(qpos_BT, [(0, 0), (0, pad)])
+        qvalid_BT = jnp.pad(qvalid_BT, [(0, 0), (0, pad)])
+    qb = q_BTHD.reshape(B, nb, block, H, D).swapaxes(0, 1)
+    pb = qpos_BT.reshape(B, nb, block).swapaxes(0, 1)
+    vb = qvalid_BT.reshape(B, nb, block).swapaxes(0, 1)
+
+    def one(carry, xs):
+        q, p, v = xs
+        ok = attention.mask(p, kpos_BKS, kvalid_BKS)
+        return step(carry, attention.softmax(attention.logits(q, k_BKSD), ok), ok, v), None
+
+    return jax.lax.scan(one, init, (qb, pb, vb))[0]
+
+
+def cumulative_attention(
+    q_BTHD: Float[Array, "B T H D"],
+    k_BKSD: Float[Array, "B K S D"],
+    qpos_BT: Int[Array, "B T"],
+    qvalid_BT: Bool[Array, "B T"],
+    kpos_BKS: Int[Array, "B K S"],
+    kvalid_BKS: Bool[Array, "B K S"],
+    block: int = 256,
+) -> Float[Array, "B K G S"]:
+    """H2O's accumulated attention: column sums of the causal softmax over every valid query
+    (blockwise over queries, `fold_query_blocks`). Padding queries contribute nothing."""
+    B, T, H, D = q_BTHD.shape
+    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+
+    def step(acc, probs, ok, v):
+        return acc + jnp.sum(jnp.where(v[:, None, None, :, None], probs, 0.0), axis=3)
+
+    return fold_query_blocks(step, jnp.zeros((B, K, H // K, S), jnp.float32), q_BTHD, k_BKSD,
+                             qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, block)
+
+
+def observed_attention(
+    q_BTHD: Float[Array, "B T H D"],
+    k_BKTD: Float[Array, "B K T D"],
+    pos_BT: Int[Array, "B T"],
+    valid_BT: Bool[Array, "B T"],
+    block: int = 256,
+) -> Float[Array, "B K G T"]:
+    """kvpress `ObservedAttentionPress`: column sums divided by the number of queries that
+    see the column (n - i for the token at position i of an n-token prompt)."""
+    B, T = valid_BT.shape
+    K = k_BKTD.shape[1]
+    kpos = jnp.broadcast_to(pos_BT[:, None], (B, K, T))
+    kvalid = jnp.broadcast_to(valid_BT[:, None], (B, K, T))
+    acc = cumulative_attention(q_BTHD, k_BKTD, pos_BT, valid_BT, kpos, kvalid, block)
+    n = jnp.sum(valid_BT, axis=1, dtype=jnp.int32)
+    count = jnp.maximum(n[:, None] - pos_BT, 1).astype(jnp.float32)  # [B, T]
+    return acc / count[:, None, None, :]
+
+
+def value_norms(v_BKTD: Float[Array, "B K T D"], ord: int = 1) -> Float[Array, "B K T"]:
+    """||v||_ord of every value row (VATP/LAVa weight scores with it), in float32."""
+    v = v_BKTD.astype(jnp.float32)
+    if ord == 1:
+        return jnp.sum(jnp.abs(v), axis=-1)
+    if ord == 2:
+        return jnp.sqrt(jnp.sum(v * v, axis=-1))
+    raise ValueError(f"value norm ord={ord}; allowed: 1, 2")
+
+
+def max_value_norm(v_BKTD: Float[Array, "B K T D"], valid_BT: Bool[Array, "B T"],
+                   ord: int = 1) -> Float[Array, "B K"]:
+    """LAVa's per-head factor max_k ||V[k]||_ord over the live rows."""
+    return jnp.max(jnp.where(valid_BT[:, None, :], value_norms(v_BKTD, ord), 0.0), axis=-1)

@@ -1,0 +1,26 @@
+"""The engine: it owns prefill, compression and decoding; methods supply hooks and scores.
+
+- `inputs`: bucketed, left-padded batches and positions;
+- `layers`: the layer loops over the prompt and over a cache, calling a method's hooks;
+- `token_selection`, `block_pruning`: the prefill loops of methods that change the token
+  set between layers (ASL/FastKV/GemFilter; SlimInfer/LazyLLM);
+- `steps`: the compiled programs (prefill + compression, a chunk on the cache, the
+  decode loop, and the per-step form of it for methods with host work between steps);
+- `driver`: `run`, one generation from token ids to tokens and statistics.
+"""
+
+from kvjax.engine.driver import ENGINE_STATS, Generation, check_request, run  # noqa: F401
+from kvjax.engine.executables import clear_compiled, compile_once  # noqa: F401
+from kvjax.engine.inputs import bucket, pad_left, positions  # noqa: F401
+from kvjax.engine.sampling import Sampling, sample  # noqa: F401
+from kvjax.engine.steps import (  # noqa: F401
+    compress_prompt,
+    decode,
+    decode_step,
+    extend,
+    prefill,
+)
+
+__all__ = ["ENGINE_STATS", "Generation", "Sampling", "bucket", "check_request",
+           "clear_compiled", "compile_once", "compress_prompt", "decode", "decode_step",
+           "extend", "pad_left", "positions", "prefill", "run", "sample"]

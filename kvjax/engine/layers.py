@@ -1,0 +1,168 @@
+"""The engine's layer loops: the prompt through every layer, and new tokens on top of a cache.
+
+Both are one `lax.scan` over the stacked layers (compile time does not grow with depth)
+and call a method's hook after each layer's attention with a `LayerIO`: the prompt loop
+(`prefill_layers`) lets a method compress layer by layer, so the full-prompt KV of all
+layers never exists at once; the cache loop (`extend_layers`) serves decoding (T = 1)
+and the context-only question chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from kvjax import pallas
+from kvjax.compress.cache import LayerKV, set_rows, write
+from kvjax.compress.layer import LayerIO, Rows
+from kvjax.config import ModelConfig
+from kvjax.models import attention, transformer
+from kvjax.pallas.dispatch import Kernels
+
+Params = transformer.Params
+# (LayerIO, state) -> (what the scan stores for this layer, state)
+PrefillHook = Callable[[LayerIO, Any], tuple[Any, Any]]
+
+
+def prefill_layers(
+    params: Params,
+    cfg: ModelConfig,
+    tokens_BT: Int[Array, "B T"],
+    valid_BT: Bool[Array, "B T"],
+    pos_BT: Int[Array, "B T"],
+    hook: PrefillHook,
+    state: Any = None,
+    kernels: Kernels = Kernels(),
+):
+    """Run the prompt through every layer (attention inside the prompt only).
+
+    `hook` sees each layer's q/k/v and decides what to keep of them. Returns the hidden
+    states after the last layer [B, T, D], the stacked per-layer hook outputs and the
+    final hook state.
+    """
+    x = params["embed"][tokens_BT]
+    B, T = tokens_BT.shape
+    kpos_BKT = jnp.broadcast_to(pos_BT[:, None], (B, cfg.num_kv_heads, T))
+    kvalid_BKT = jnp.broadcast_to(valid_BT[:, None], (B, cfg.num_kv_heads, T))
+
+    def body(carry, xs):
+        x, st = carry
+        p, layer = xs
+        q, k, v = transformer.qkv(p, cfg, x, pos_BT)
+        o = attention.attend_chunked(q, k, v, pos_BT, kpos_BKT, kvalid_BKT, cfg.sliding_window)
+        x = transformer.finish_layer(p, cfg, x, o)
+        out, st = hook(LayerIO(layer, q, k, v, kpos_BKT, kvalid_BKT, pos_BT, o, x, valid_BT,
+                               p["o"], cfg, kernels), st)
+        return (x, st), out
+
+    layers = jnp.arange(cfg.num_layers)
+    (x, state), outs = jax.lax.scan(body, (x, state), (params["layers"], layers))
+    return x, outs, state
+
+
+def attend_cached(q_BTHD, k_BKCD, v_BKCD, ok_BKTC, kernels: Kernels):
+    """Attention of new tokens over one layer's cache: one query goes to the
+    `decode_attention` kernel op when the run's kernels pick one."""
+    if q_BTHD.shape[1] == 1 and kernels.active("decode_attention"):
+        o = pallas.decode_attention(q_BTHD[:, 0], k_BKCD, v_BKCD, ok_BKTC[:, :, 0],
+                                    implementation=kernels.decode_attention)
+        return o[:, None]
+    return attention.attend(q_BTHD, k_BKCD, v_BKCD, ok_BKTC)
+
+
+def extend_layers(
+    params: Params,
+    cfg: ModelConfig,
+    tokens_BT: Int[Array, "B T"],
+    valid_BT: Bool[Array, "B T"],
+    kv: LayerKV,
+    pos_BT: Int[Array, "B T"],
+    slot_LBKT: Int[Array, "L B K T"],
+    method=None,
+    state: Any = None,
+    kernels: Kernels = Kernels(),
+):
+    """Append T tokens to a cache (kv [L, B, K, C, ...]) and attend.
+
+    Decoding is T = 1; the context-only scenario prefills the question this way on top of
+    a compressed context. The new entries are written into `slot_LBKT` first (a method that
+    evicts while decoding picks the slot per layer and head), so a token attends to itself
+    and its chunk through the same position-based causal mask. `method` supplies the
+    per-layer hooks (`revival` before the attention, `decode_layer` after it); None runs
+    the plain model.
+    """
+    x = params["embed"][tokens_BT]
+    hook = method.decode_layer if method is not None and method.uses_decode_layer() else None
+
+    def step(x, kv, st, layer):
+        """One layer: (x, kv, st, the hook's Rows of this layer's k and v, or None)."""
+        p = transformer.layer_slice(params, layer)
+        if method is not None:
+            kv, st = revive(p, layer, kv, st)
+        q, k, v = transformer.qkv(p, cfg, x, pos_BT)
+        kv = write(kv, layer, k, v, pos_BT, valid_BT, slot_LBKT[layer])
+        lk, lv, lp, lval = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)
+                            for a in (kv.k, kv.v, kv.pos, kv.valid))
+        ok = attention.mask(pos_BT, lp, lval, cfg.sliding_window)
+        if hook is None:
+            o = attend_cached(q, lk, lv, ok, kernels)
+            return transformer.finish_layer(p, cfg, x, o), kv, st, (None, None)
+        o, probs = attention.attend(q, lk, lv, ok, return_probs=True)
+        x = transformer.finish_layer(p, cfg, x, o)
+        io = LayerIO(layer, q, lk, lv, lp, lval, pos_BT, o, x, valid_BT, None, cfg, kernels)
+        new, st = hook(io, probs, st)
+        # what the hook returns unchanged is not written back: writing a slice of the
+        # carry into itself makes XLA copy the whole [L, ...] array every layer
+        fields = ("k", "v", "pos", "valid")
+        kv = LayerKV(*(a if n is old or isinstance(n, Rows)
+                       else jax.lax.dynamic_update_index_in_dim(a, n, layer, 0)
+                       for a, old, n in zip((kv.k, kv.v, kv.pos, kv.valid), (lk, lv, lp, lval),
+                                            (getattr(new, f) for f in fields))))
+        return x, kv, st, tuple(n if isinstance(n, Rows) else None for n in (new.k, new.v))
+
+    def revive(p, layer, kv, st):
+        """The method's `revival` rows: their k and v at this layer, then the layer on them."""
+        rv = method.revival(layer, st)
+        if rv is None:
+            return kv, st
+        x_r, slot_BR, active = rv
+
+        def run(kv, st):
+            C = kv.k.shape[-2]
+            lp, lval = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)
+                        for a in (kv.pos, kv.valid))
+            pos_BR = jnp.take_along_axis(lp[:, 0], jnp.clip(slot_BR, 0, C - 1), axis=1)
+            q, k, v = transformer.qkv(p, cfg, x_r, pos_BR)
+            slot = jnp.broadcast_to(jnp.where(slot_BR < 0, C, slot_BR)[:, None], k.shape[:3])
+            kv = LayerKV(set_rows(kv.k, (layer,), slot, k), set_rows(kv.v, (layer,), slot, v),
+                         kv.pos, kv.valid)
+            lk, lv = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (kv.k, kv.v))
+            o = attention.attend(q, lk, lv, attention.mask(pos_BR, lp, lval, cfg.sliding_window))
+            return kv, method.revived(layer, transformer.finish_layer(p, cfg, x_r, o), st)
+
+        return jax.lax.cond(active, run, lambda kv, st: (kv, st), kv, st)
+
+    def flush(kv, layer, rows):
+        # Rows land at the start of the next layer's step, before anything reads the
+        # cache, as `write` does: scattered right after the hook, XLA copies the whole
+        # cache to keep it intact for readers it cannot order before the scatter
+        k, v = (a if r is None else set_rows(a, (layer,), r.idx, r.new)
+                for a, r in zip((kv.k, kv.v), rows))
+        return LayerKV(k, v, kv.pos, kv.valid)
+
+    def body(carry, layer):
+        x, kv, st, rows = carry
+        x, kv, st, new_rows = step(x, flush(kv, layer - 1, rows), st, layer)
+        return (x, kv, st, new_rows), None
+
+    C = kv.k.shape[-2]
+    shapes = jax.eval_shape(step, x, kv, state, jnp.int32(0))[3]
+    rows = jax.tree.map(lambda s: jnp.full(s.shape, C, s.dtype) if s.dtype == jnp.int32
+                        else jnp.zeros(s.shape, s.dtype), shapes)  # nothing to flush
+    (x, kv, state, rows), _ = jax.lax.scan(body, (x, kv, state, rows),
+                                           jnp.arange(cfg.num_layers))
+    kv = flush(kv, cfg.num_layers - 1, rows)
+    return x, kv, state

@@ -1,0 +1,190 @@
+"""The compiled pieces: prefill with compression, a chunk on top of the cache, decoding.
+
+Everything that runs per token is compiled once: the decode loop is a `lax.while_loop`
+whose carry holds the donated cache, so a whole generation is one program and no host
+sync happens between steps. A method that moves KV between host and device between steps
+(`Method.steps_on_host`) gets the same step as one compiled call per token instead, in a
+host loop that calls its `between_steps` hook before each (`host_decode`).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.compress import cache as kvcache
+from kvjax.compress.method import Method
+from kvjax.config import ModelConfig
+from kvjax.engine import block_pruning, token_selection
+from kvjax.engine.executables import compile_once
+from kvjax.engine.inputs import positions
+from kvjax.engine.layers import extend_layers, prefill_layers
+from kvjax.engine.sampling import Sampling, sample
+from kvjax.models import transformer
+from kvjax.pallas.dispatch import Kernels
+
+
+def compress_prompt(method: Method, params, cfg: ModelConfig, tokens_BT, valid_BT, pos_BT,
+                    kernels: Kernels = Kernels()):
+    """The prompt through the model with the method's compression, by its `prefill_kind`:
+    (hidden state of the last prompt token [B, D], the kept kv stacked over layers,
+    decode state, the method's stats)."""
+    if method.prefill_kind == "token_selection":
+        return token_selection.prefill(method, params, cfg, tokens_BT, valid_BT, pos_BT, kernels)
+    if method.prefill_kind == "block_pruning":
+        return block_pruning.prefill(method, params, cfg, tokens_BT, valid_BT, pos_BT, kernels)
+
+    def hook(io, st):
+        kv, aux, st = method.after_layer_prefill(io, st)
+        return (kv, aux), st
+
+    state = method.init_state(cfg, *tokens_BT.shape)
+    x, (kv, aux), state = prefill_layers(params, cfg, tokens_BT, valid_BT, pos_BT, hook, state,
+                                         kernels)
+    kv, state, stats = method.finalize(kv, aux, state)
+    return x[:, -1], kv, state, stats
+
+
+def _prefill(params, tokens_BT, valid_BT, cfg, method, capacity, kernels):
+    B = tokens_BT.shape[0]
+    pos_BT = positions(valid_BT, jnp.zeros((B,), jnp.int32))
+    x_BD, kv, state, stats = compress_prompt(method, params, cfg, tokens_BT, valid_BT, pos_BT,
+                                             kernels)
+    cache = kvcache.KVCache.of(kv, end=jnp.asarray(kv.k.shape[3], jnp.int32),
+                               next_pos=method.next_position(kv, pos_BT, valid_BT))
+    cache = kvcache.pad_capacity(cache, capacity)
+    return transformer.unembed(params, cfg, x_BD), cache, method.pad_state(state, capacity), stats
+
+
+@partial(jax.jit, static_argnames=("cfg", "method", "capacity", "kernels"))
+def prefill(params, tokens_BT, valid_BT, *, cfg: ModelConfig, method: Method, capacity: int,
+            kernels: Kernels = Kernels()):
+    """Prefill + compression: (last-token logits [B, V], cache, method state, method stats)."""
+    return _prefill(params, tokens_BT, valid_BT, cfg, method, capacity, kernels)
+
+
+@partial(jax.jit, static_argnames=("cfg", "method", "capacity", "kernels"))
+def prefill_extent(params, tokens_BT, valid_BT, *, cfg: ModelConfig, method: Method,
+                   capacity: int, kernels: Kernels = Kernels()):
+    """`prefill`, and the cache's live extent (`kvcache.live_extent`) reduced inside the same
+    program, so that the driver reads one integer, not the mask."""
+    out = _prefill(params, tokens_BT, valid_BT, cfg, method, capacity, kernels)
+    return (*out, kvcache.live_extent(out[1]))
+
+
+@partial(jax.jit, static_argnames=("slots", "capacity"))
+def shrink(cache, *, slots: int, capacity: int):
+    return kvcache.shrink(cache, slots, capacity)
+
+
+def _extend(params, cache: kvcache.KVCache, tokens_BT, valid_BT, cfg, method, state, kernels):
+    B, T = tokens_BT.shape
+    pos_BT = positions(valid_BT, cache.next_pos)
+    slots = method.decode_slots(cache, state, T)
+    if slots is None:
+        slots = jnp.broadcast_to(cache.end + jnp.arange(T, dtype=jnp.int32),
+                                 (cfg.num_layers, B, cfg.num_kv_heads, T))
+    x, kv, state = extend_layers(params, cfg, tokens_BT, valid_BT, cache.kv, pos_BT, slots,
+                                 method, state, kernels)
+    cache = kvcache.KVCache.of(kv, end=cache.end + T, next_pos=cache.next_pos + jnp.sum(
+        valid_BT, axis=1, dtype=jnp.int32))
+    state = method.after_step(cfg, cache, state)
+    return transformer.unembed(params, cfg, x[:, -1]), cache, state
+
+
+@partial(jax.jit, static_argnames=("cfg", "method", "kernels"), donate_argnames=("cache",))
+def extend(params, cache, tokens_BT, valid_BT, state=None, *, cfg: ModelConfig, method: Method,
+           kernels: Kernels = Kernels()):
+    """Prefill a chunk (e.g. the question, context-only scenario) on top of a cache."""
+    return _extend(params, cache, tokens_BT, valid_BT, cfg, method, state, kernels)
+
+
+def _next_token(logits, rng, done, cfg: ModelConfig, sampling: Sampling, stops):
+    """(token [B] (pad once done), live [B], stopped [B], the next rng): one sampling step,
+    shared by the compiled and the host loop."""
+    rng, sub = jax.random.split(rng)
+    tok = jnp.where(done, cfg.pad_token_id, sample(logits, sub, sampling))
+    return tok, ~done, jnp.isin(tok, stops), rng
+
+
+@partial(jax.jit, static_argnames=("cfg", "method", "max_new", "sampling", "stop_ids", "kernels"),
+         donate_argnames=("cache",))
+def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, method: Method,
+           max_new: int, sampling: Sampling, stop_ids: tuple[int, ...],
+           kernels: Kernels = Kernels()):
+    """Generate up to `max_new` tokens in one `lax.while_loop`.
+
+    Returns tokens [B, max_new] (pad after a stop token), the number of tokens each element
+    generated before its stop token, the cache and the method state.
+    """
+    B = logits_BV.shape[0]
+    stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
+
+    def cond(c):
+        step, _, _, _, done, _, _, _ = c
+        return (step < max_new) & ~jnp.all(done)
+
+    def body(c):
+        step, cache, logits, out, done, n, rng, st = c
+        tok, live, stopped, rng = _next_token(logits, rng, done, cfg, sampling, stops)
+        out = out.at[:, step].set(tok)
+        n = n + (live & ~stopped)
+        logits, cache, st = _extend(params, cache, tok[:, None], live[:, None], cfg, method, st,
+                                    kernels)
+        return step + 1, cache, logits, out, done | stopped, n, rng, st
+
+    out = jnp.full((B, max_new), cfg.pad_token_id, jnp.int32)
+    init = (jnp.int32(0), cache, logits_BV, out, jnp.zeros((B,), bool),
+            jnp.zeros((B,), jnp.int32), rng, state)
+    _, cache, _, out, _, n, _, state = jax.lax.while_loop(cond, body, init)
+    return out, n, cache, state
+
+
+@partial(jax.jit, static_argnames=("cfg", "method", "sampling", "stop_ids", "kernels"),
+         donate_argnames=("cache",))
+def decode_step(params, cache, logits_BV, rng, done_B, state=None, *, cfg: ModelConfig,
+                method: Method, sampling: Sampling, stop_ids: tuple[int, ...],
+                kernels: Kernels = Kernels()):
+    """One step of `decode`'s loop body, for the host loop: (token [B], stopped [B], next
+    logits, cache, state, next rng)."""
+    stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
+    tok, live, stopped, rng = _next_token(logits_BV, rng, done_B, cfg, sampling, stops)
+    logits, cache, state = _extend(params, cache, tok[:, None], live[:, None], cfg, method,
+                                   state, kernels)
+    return tok, stopped, logits, cache, state, rng
+
+
+def host_decode(params, cfg: ModelConfig, cache, logits_BV, rng, state, *, method: Method,
+                max_new: int, sampling: Sampling, stop_ids: tuple[int, ...], kernels: Kernels):
+    """`decode` as a host loop of compiled steps, the method's `between_steps` before each.
+
+    Returns (tokens [B, max_new], counts [B], cache, state, host bookkeeping, compile
+    seconds, kernel ops used, decode seconds)."""
+    B = logits_BV.shape[0]
+    t0 = time.perf_counter()
+    host, state, hook_compile_s = method.init_host(cfg, cache, state, compile_once)
+    setup_s = time.perf_counter() - t0 - hook_compile_s
+    done = np.zeros(B, bool)
+    step, compile_s, used = compile_once(
+        decode_step, (params, cache, logits_BV, rng, jnp.asarray(done), state), cfg=cfg,
+        method=method, sampling=sampling, stop_ids=stop_ids, kernels=kernels)
+    out = np.full((B, max_new), cfg.pad_token_id, np.int32)
+    n = np.zeros(B, np.int64)
+    t0 = time.perf_counter()
+    for t in range(max_new):
+        cache, state = method.between_steps(host, cache, state, done)
+        tok, stopped, logits_BV, cache, state, rng = step(params, cache, logits_BV, rng,
+                                                          jnp.asarray(done), state)
+        tok, stopped = np.asarray(tok), np.asarray(stopped)
+        out[:, t] = tok
+        n += ~done & ~stopped
+        done = done | stopped
+        if done.all():
+            break
+    jax.block_until_ready(cache)
+    return (out, n, cache, state, host, compile_s + hook_compile_s, used,
+            time.perf_counter() - t0 + setup_s)

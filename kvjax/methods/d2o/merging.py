@@ -1,0 +1,87 @@
+"""D2O's merging (d2o.txt Eq. 8-12): each evicted key's nearest kept key by cosine
+similarity, and the weighted merge of the evicted entries into it."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.compress.layer import Rows
+
+MERGES = ("softmax", "mean")
+
+
+def cosine(a, b, eps: float = 1e-6):
+    """[..., I, D] x [..., J, D] -> [..., I, J] cosine similarities (fp32)."""
+    a = a.astype(jnp.float32)
+    b = b.astype(jnp.float32)
+    a = a / jnp.maximum(jnp.linalg.norm(a, axis=-1, keepdims=True), eps)
+    b = b / jnp.maximum(jnp.linalg.norm(b, axis=-1, keepdims=True), eps)
+    return jnp.einsum("...id,...jd->...ij", a, b)
+
+
+def nearest(k, kept, ks):
+    """Each source key's most similar kept entry of the same head.
+
+    k [..., C, D]; kept [..., C]; ks [..., E, D] the source keys. Returns (j [..., E]: the
+    kept slot of the largest cosine, the lowest slot on ties; maxsim [..., E]: that cosine,
+    -inf where the head keeps nothing)."""
+    u = jnp.where(kept[..., None, :], cosine(ks, k), -jnp.inf)  # [..., E, C]
+    return jnp.argmax(u, axis=-1), jnp.max(u, axis=-1)
+
+
+def _into_slots(x, j, C: int):
+    """Sum x [..., E, *F] into C slots by j [..., E]: [..., C, *F] (a scatter-add, O(E F))."""
+    lead, E, feat = j.shape[:-1], j.shape[-1], x.shape[j.ndim:]
+    out = jax.vmap(lambda jj, xx: jnp.zeros((C, *feat), xx.dtype).at[jj].add(xx))(
+        j.reshape(-1, E), x.reshape(-1, E, *feat))
+    return out.reshape(*lead, C, *feat)
+
+
+def merge(k, v, kept, ks, vs, gone, tau, kind: str, enabled: bool = True, near=None,
+          rows: bool = False):
+    """Merge the evicted sources into their nearest `kept` entry of the same head.
+
+    k, v [..., C, D] and kept [..., C]: the targets; ks, vs [..., E, D]: the sources, `gone`
+    [..., E] those of them evicted (the prefill passes every prompt entry against the kept
+    slots, a decode step its <= T evicted ones, so the cost is O(E C D), never O(n^2 D));
+    tau [...] (the threshold, broadcast per head); `near`: `nearest(k, kept, ks)` when the
+    caller has it. Returns (k, v, merged [..., E] (which sources merged), maxsim [..., E]).
+    Source i has u_i = cos(k_i, k_j) over the kept j; it merges into j* = argmax_j u_ij
+    when max_j u_ij >= tau. Eq. 11-12 (softmax: weights exp(u_ij*) against e for the kept
+    entry) or the code's mean (weights u_ij* against 1, divided by 1 + the count).
+    `rows=True` (a decode step's few sources, k and v [B, K, C, D]) returns k and v as `Rows`
+    (the target rows only, O(E^2 D), which `extend` scatters into the cache); the default
+    scatters into all C slots and rewrites the layer, O(C D).
+    """
+    C = k.shape[-2]
+    j, maxsim = nearest(k, kept, ks) if near is None else near
+    ok = gone & (maxsim >= tau[..., None]) & jnp.any(kept, axis=-1, keepdims=True)
+    if not enabled:
+        return k, v, jnp.zeros_like(ok), maxsim
+    softmax = kind == "softmax"
+    self_w = math.e if softmax else 1.0
+    w = jnp.where(ok, jnp.exp(maxsim) if softmax else maxsim, 0.0)  # [..., E]
+    if rows:  # source s joins target row t's sum when it merges into the same slot
+        same = (j[..., :, None] == j[..., None, :]) & ok[..., None, :]  # [..., E, E]
+        den = self_w + jnp.sum(jnp.where(same, w[..., None, :] if softmax else 1.0, 0.0), -1)
+
+        def apply(x, xs):
+            tgt = jnp.take_along_axis(x, j[..., None], axis=-2).astype(jnp.float32)
+            add = jnp.einsum("...ts,...sd->...td", jnp.where(same, w[..., None, :], 0.0),
+                             xs.astype(jnp.float32))
+            new = (self_w * tgt + add) / den[..., None]
+            return Rows(jnp.where(ok, j, C), new.astype(x.dtype))
+    else:
+        count = _into_slots(ok.astype(jnp.float32), j, C)  # [..., C]
+        den = self_w + (_into_slots(w, j, C) if softmax else count)
+
+        def apply(x, xs):
+            xf = x.astype(jnp.float32)
+            new = (self_w * xf + _into_slots(w[..., None] * xs.astype(jnp.float32), j, C)
+                   ) / den[..., None]
+            return jnp.where((count > 0)[..., None], new, xf).astype(x.dtype)
+
+    return apply(k, ks), apply(v, vs), ok, maxsim

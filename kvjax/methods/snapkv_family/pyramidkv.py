@@ -1,0 +1,80 @@
+"""PyramidKV (Cai et al. 2024, "PyramidKV: dynamic KV cache compression based on pyramidal
+information funneling").
+
+SnapKV's score (window attention, pooled, GQA mean), with per-layer budgets on a linear
+pyramid (lava.txt Eq. 21): the first layer keeps `2B - B/beta`, the last `B/beta`, the
+mean over layers is `budget` (window included in every layer's count). The schedule is
+kvpress `PyramidKVPress.get_layer_budget` exactly (`kvjax.compress.budgets.pyramid`): the first
+layer is capped at `n - window` (the last raised to keep the mean), and when the smallest
+layer budget would fall below the window, every layer keeps `budget` (kvpress's "fall
+back to SnapKV"). With beta 20 that fallback applies whenever `budget < 20 * window`.
+
+Defaults: beta 20 (kvpress; KVCache-Factory), window 32, maxpool 7, GQA mean as SnapKV
+(the LAVa paper runs PyramidKV with maxpool 7 and tunes beta in {5, 10, 20}).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+from typing import ClassVar
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.compress import budgets
+from kvjax.config import ModelConfig
+from kvjax.methods.registry import register
+from kvjax.compress.eviction import real_length
+from kvjax.compress.eviction import WindowScored
+from kvjax.compress.layer import LayerIO
+
+
+@lru_cache(maxsize=64)
+def _table(budget: int, n_max: int, num_layers: int, window: int, beta: float) -> np.ndarray:
+    return budgets.pyramid_table(budget, n_max, num_layers, window, beta)
+
+
+class PyramidSchedule:
+    """Mixin: per-layer budgets from the pyramid table, per batch element (its length).
+
+    The table [N + 1, L] rides in the prefill state (built in `init_state`, where the
+    depth is known) and is indexed with the element's length and the traced layer.
+    """
+
+    def validate_beta(self):
+        if self.beta < 1:
+            raise ValueError(f"beta={self.beta} must be >= 1")
+
+    def init_state(self, cfg: ModelConfig, batch: int, n: int):
+        return jnp.asarray(_table(self.budget, n, cfg.num_layers, self.window, float(self.beta)))
+
+    def layer_budget(self, io: LayerIO, table):
+        """[B] this layer's per-head budget for each element (traced layer index)."""
+        n = jnp.minimum(real_length(io), table.shape[0] - 1)
+        return table[n, io.layer]
+
+    def max_layer_budget(self, n: int) -> int:
+        # layer 0 holds the largest budget and does not depend on the depth
+        return int(_table(self.budget, n, 2, self.window, float(self.beta))[:, 0].max())
+
+    def finalize(self, kv, aux, state):
+        return super().finalize(kv, aux, None)  # the table is not decode state
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class PyramidKV(PyramidSchedule, WindowScored):
+    """PyramidKV: SnapKV scores, layer l keeps round(max - l (max - min) / (L - 1)) per
+    KV head (window included), mean `budget`; beta 20."""
+
+    name: ClassVar[str] = "pyramidkv"
+    beta: float = 20
+
+    def validate(self, n: int, cfg: ModelConfig) -> None:
+        super().validate(n, cfg)
+        self.validate_beta()
+
+    def kept_slots(self, n: int) -> int:
+        return min(max(self.max_layer_budget(n), self.budget), n)
+
