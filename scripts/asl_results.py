@@ -12,7 +12,7 @@ selection layer: a layer's mean is over the samples that reached it). Every numb
 from a measured record.
 
 Budgets (select_k = KV entries per layer and KV head): the paper uses 2048 (default) and 8192
-(its Table 8) at 32k-128k contexts; scaled by n / 32768 (METHODS.md) to a 2048 context they
+(its Table 8) at 32k-128k contexts; scaled by n / 32768 (docs/methods.md "Conventions") to a 2048 context they
 are 128 and 512, with 256 between. (2048 of 128k, 1/64, would be 32 = ASL's window: no k.)
 """
 

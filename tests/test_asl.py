@@ -30,7 +30,7 @@ def pair():
 
 
 def reference_asl(attn, select_k, window, kernel, tau, l_min, l_obs, group):
-    """Algorithm 1-2 of asl.txt in numpy/torch over HF attention probabilities [L, H, n, n]."""
+    """Algorithm 1-2 of ASL paper in numpy/torch over HF attention probabilities [L, H, n, n]."""
     n = attn.shape[-1]
     ranks, curve, init_var, sel = [], [], None, None
     for l in range(attn.shape[0]):

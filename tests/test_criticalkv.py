@@ -65,7 +65,7 @@ def test_projected_norm_blockwise_matches_numpy():
 
 
 def test_norm_bench_runs_both_forms(capsys):
-    from kvjax.bench import critical as bench
+    from kvjax.bench import norms as bench
 
     bench.main(["--contexts", "96", "--kv-heads", "2", "--groups", "2", "--head-dim", "8",
                 "--hidden", "16", "--block", "32", "--repeats", "1"])
@@ -110,9 +110,11 @@ def _capture(cfg, params, method, ctx):
     pos = engine.positions(valid, jnp.zeros((1,), jnp.int32))
     st = method.init_state(cfg, 1, ctx.shape[1])
 
+    base = getattr(method, "base", method)  # a Critical wrapper's scores are its base's
+
     def hook(io, s):
-        b = method.layer_budget(io, s)
-        return (method.scores(io)[0], io.v[0], io.wo, io.q[0], io.k[0], b[0]), s
+        b = base.layer_budget(io, s)
+        return (base.scores(io)[0], io.v[0], io.wo, io.q[0], io.k[0], b[0]), s
     _, out, _ = layers.prefill_layers(params, cfg, tokens, valid, pos, hook, st)
     return [np.asarray(a) for a in out]
 
@@ -202,11 +204,11 @@ def _crit_scores(cfg, params, method, ctx):
     valid = jnp.ones(ctx.shape, bool)
     pos = engine.positions(valid, jnp.zeros((1,), jnp.int32))
     st = method.init_state(cfg, 1, ctx.shape[1])
-    S = method.head_slots(ctx.shape[1], cfg.num_kv_heads)
+    S = method.cache_slots(ctx.shape[1], cfg)
 
     def hook(io, s):
-        sc = method.scores(io)
-        b, extra = method.head_budgets(io, sc, s)
+        sc = method.base.scores(io)
+        b, extra, _ = method.base.head_budgets(io, sc, s)
         return critical.two_stage_scores(sc, method.projected_norms(io), b, S,
                                          method.first_stage_ratio, method.epsilon, extra), s
     _, out, _ = layers.prefill_layers(params, cfg, tokens, valid, pos, hook, st)

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from kvjax import engine, methods
 from kvjax.methods.d2o.merging import merge
-from kvjax.compress.layer import LayerIO, Rows
+from kvjax.compress.layer import LayerIO, LayerKV, Rows
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")
@@ -99,7 +99,7 @@ def ref_prefill(m, attn, K_, V_, n_layers):
         fv.append(np.mean(cs.var(1)))
     fv = np.array(fv)
     S = m.kept_slots(n)
-    if m.layer_budgets:
+    if m.variance_layers:
         a = Lh * np.exp(-fv - np.max(-fv)) / np.exp(-fv - np.max(-fv)).sum()
         s = np.clip(a * m.budget / n, 0.01, 1) * n if m.alpha_clamp else a * m.budget
     else:
@@ -171,7 +171,7 @@ def test_reference_steps(pair, name):
         attn, ks, vs = hf_decode.prefill(model, ids)
         ref, s = ref_prefill(m, attn, ks, vs, L)
         _, cache, state, stats = _prefill(m, params, cfg, ids)
-        assert list(np.asarray(stats["d2o_layer_budgets"])[0]) == list(s)
+        assert list(np.asarray(stats["layer_sizes"])[0]) == list(s)
         M = [max(1, int(np.floor((s[l] - m.sinks) * m.recent_ratio))) for l in range(L)]
         np.testing.assert_array_equal(np.asarray(state["recent"])[:, 0], M)
         R = [[dict(pos=p, k=k, v=v, tau=tau, acc=acc) for p, k, v, tau, acc in heads]
@@ -347,13 +347,13 @@ def test_budget_and_sinks_invariants(pair, seed, name):
 
 
 def test_merge_false_equals_h2o(pair):
-    """Same budgets: d2o with merge=False, layer_budgets=False, sinks=0, cap=1 and H2O's
+    """Same budgets: d2o with merge=False, variance_layers=False, sinks=0, cap=1 and H2O's
     recent_ratio keeps exactly H2O's cache (recent M = max(1, int(budget * ratio))): equal
     logits, validity, positions, keys, values and scores after prefill and every step."""
     _, cfg, params = pair
     rng = np.random.default_rng(3)
     ids = rng.integers(3, 97, N).tolist()
-    d = methods.create("d2o", budget=16, merge=False, layer_budgets=False, sinks=0, cap=1.0,
+    d = methods.create("d2o", budget=16, merge=False, variance_layers=False, sinks=0, cap=1.0,
                        recent_ratio=0.5)
     h = methods.create("h2o", budget=16, recent_ratio=0.5)
     outs = [engine.prefill(params, jnp.array([ids]), jnp.ones((1, N), bool), cfg=cfg,
@@ -401,8 +401,8 @@ def test_engine_run_context_only(pair):
 
 @pytest.mark.parametrize("name", ["d2o", "d2o_code"])
 def test_uniform_budgets(name):
-    """layer_budgets=False: S_l = budget (the code variant still keeps 0, 1, L-1 whole)."""
-    m = dataclasses.replace(methods.create(name, budget=16), layer_budgets=False)
+    """variance_layers=False: S_l = budget (the code variant still keeps 0, 1, L-1 whole)."""
+    m = dataclasses.replace(methods.create(name, budget=16), variance_layers=False)
     s = np.asarray(m.budgets(jnp.arange(L, dtype=jnp.float32)[:, None], jnp.array([N])))[:, 0]
     want = [N, N, 16, N] if name == "d2o_code" else [16] * L
     assert list(s) == want
@@ -433,9 +433,10 @@ def test_prefill_merge_never_builds_prompt_by_prompt_similarities():
     S = m.kept_slots(T)
     assert S < T
     pos = jnp.broadcast_to(jnp.arange(T), (L_, B, K, T))
-    kv = (jnp.ones((L_, B, K, T, D)), jnp.ones((L_, B, K, T, D)), pos,
-          jnp.ones((L_, B, K, T), bool), jnp.ones((L_, B, K, T)), jnp.ones((L_, B)))
-    jaxpr = jax.make_jaxpr(lambda kv: m.finalize(kv, None))(kv).jaxpr
+    kv = LayerKV(jnp.ones((L_, B, K, T, D)), jnp.ones((L_, B, K, T, D)), pos,
+                 jnp.ones((L_, B, K, T), bool))
+    aux = (jnp.ones((L_, B, K, T)), jnp.ones((L_, B)))
+    jaxpr = jax.make_jaxpr(lambda kv, aux: m.finalize(kv, aux, None))(kv, aux).jaxpr
     shapes = [v.aval.shape for e in jaxpr.eqns for sub in [e] + [
         x for p in e.params.values() for x in ([p] if hasattr(p, "eqns") else [])]
         for v in sub.outvars if hasattr(v, "aval")]

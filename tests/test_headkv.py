@@ -213,7 +213,7 @@ def test_critical_headkv_matches_numpy(tiny, caps):
     cfg, params, ctx, scores, path = tiny
     m = methods.create("critical_headkv", budget=24, window=W, head_scores=path)
     s, v, wo = caps["snap"], caps["v"], caps["wo"]
-    b = headkv.budget_table(scores, 24, W, m.beta, m.temp, cfg.num_kv_heads)
+    b = headkv.budget_table(scores, 24, W, m.base.beta, m.base.temp, cfg.num_kv_heads)
     kept = kept_sets(prefill(cfg, params, m, [list(ctx[0])])[0])
     for l in range(cfg.num_layers):
         norm = np_proj_norm(v[l], wo[l])

@@ -95,7 +95,7 @@ def ref_cake(A, K, budget, gamma, g1, g2):
 
 @functools.lru_cache(maxsize=None)
 def _jitted(m, cfg):
-    return jax.jit(lambda p, t, v, ps: m.prefill(p, cfg, t, v, ps))
+    return jax.jit(lambda p, t, v, ps: engine.compress_prompt(m, p, cfg, t, v, ps))
 
 
 def kv_prefill(m, cfg, params, ids):
@@ -105,7 +105,7 @@ def kv_prefill(m, cfg, params, ids):
     pos = jnp.arange(T)[None]
     _, kv, _, stats = _jitted(m, cfg)(params, tok, valid, pos)
     keep = np.zeros((cfg.num_layers, cfg.num_kv_heads, T - W), bool)
-    kpos, kval = np.asarray(kv[2][:, 0]), np.asarray(kv[3][:, 0])
+    kpos, kval = np.asarray(kv.pos[:, 0]), np.asarray(kv.valid[:, 0])
     for l in range(cfg.num_layers):
         for h in range(cfg.num_kv_heads):
             p = kpos[l, h][kval[l, h]]

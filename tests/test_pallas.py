@@ -405,30 +405,39 @@ def test_window_scores_lowers_fp32():
 # ---- dispatch ----------------------------------------------------------------------------
 
 def test_dispatch_defaults_and_fallback():
-    assert pallas.get_default_implementation() == "auto"
+    assert pallas.Kernels() == pallas.Kernels.every("auto")
     if jax.default_backend() == "cpu":
-        assert pallas.resolve(None)[0] == "xla" and not pallas.kernels_active()
-        with pallas.default_implementation("pallas"):
-            assert pallas.resolve(None)[:2] == ("pallas_tpu", True)
-    with pytest.raises(ValueError):
-        pallas.set_default_implementation("triton")
-    # a kernel that cannot take the inputs: implicit choice falls back, explicit one raises
+        assert pallas.resolve(None)[0] == "xla" and not pallas.Kernels().active("compact")
+        assert pallas.resolve("pallas")[:2] == ("pallas_tpu", True)
+        assert pallas.Kernels.every("pallas").resolved()["compact"] == "pallas_tpu (interpreted)"
+    with pytest.raises(ValueError, match="triton"):
+        pallas.Kernels.every("triton")
+    # a kernel that cannot take the inputs: `auto` falls back, a name raises
     q, k, v, ok = decode_case(0, 1, 2, 1, 40, 8, ["all"], jnp.float32)
-    with pallas.default_implementation("pallas_gpu"):  # D * 4 bytes < 128: no WGMMA rows
-        np.testing.assert_array_equal(pallas.decode_attention(q, k, v, ok),
+    if pallas.backend_pallas() is None:  # `auto` picks xla here: the explicit name must raise
+        np.testing.assert_array_equal(pallas.decode_attention(q, k, v, ok, implementation="auto"),
                                       decode_xla.decode_attention(q, k, v, ok))
     with pytest.raises(ValueError, match="cannot run"):
-        pallas.decode_attention(q, k, v, ok, implementation="pallas_gpu")
+        pallas.decode_attention(q, k, v, ok, implementation="pallas_gpu")  # D * 4 < 128 bytes
+    with pallas.recording() as used:  # which implementation each op call took
+        pallas.decode_attention(q, k, v, ok, implementation="xla")
+    assert used == {("decode_attention", "xla")}
 
 
-def test_attend_routes_decode_to_the_op():
+def test_engine_routes_decode_to_the_op():
+    """One-query attention over the cache goes to the `decode_attention` op when the run's
+    kernels pick a Pallas kernel (the dense attention otherwise)."""
+    from kvjax.engine.layers import attend_cached
+
     q, k, v, ok = decode_case(4, 1, 4, 2, 300, 32, ["random", "front"], jnp.float32)
     ref = attention.attend(q[:, None], k, v, ok[:, :, None])
-    with pallas.default_implementation("pallas"):  # interpreted TPU kernel on CPU
-        jaxpr = str(jax.make_jaxpr(lambda *a: attention.attend(*a))(q[:, None], k, v,
+    interp = pallas.Kernels.every("pallas")  # interpreted TPU kernel on CPU
+    jaxpr = str(jax.make_jaxpr(lambda *a: attend_cached(*a, interp))(q[:, None], k, v,
                                                                      ok[:, :, None]))
-        out = attention.attend(q[:, None], k, v, ok[:, :, None])
+    out = attend_cached(q[:, None], k, v, ok[:, :, None], interp)
     assert "decode_attention" in jaxpr
+    assert "decode_attention" not in str(jax.make_jaxpr(lambda *a: attend_cached(
+        *a, pallas.Kernels.every("xla")))(q[:, None], k, v, ok[:, :, None]))
     np.testing.assert_allclose(out, ref, atol=2e-5)
 
 
@@ -445,15 +454,15 @@ def test_run_has_kernels_flag():
 
 
 def kept_sets(method, kind, cfg, params, tokens, valid):
-    """(pos, valid) of the compressed cache, the program traced under `kind` (a fresh jit:
-    the switch is read at trace time and is not part of jit's cache key)."""
-    from kvjax.engine import positions
+    """(pos, valid) of the compressed cache, the program traced with every op on `kind`
+    (the choice is a static argument: part of the compile key)."""
+    from kvjax.engine import compress_prompt, positions
 
-    with pallas.default_implementation(kind):
-        fn = jax.jit(lambda p, t, v: method.prefill(
-            p, cfg, t, v, positions(v, jnp.zeros((t.shape[0],), jnp.int32)))[1])
-        kv = fn(params, tokens, valid)
-    return np.asarray(kv[2]), np.asarray(kv[3])
+    kernels = pallas.Kernels.every(kind)
+    fn = jax.jit(lambda p, t, v: compress_prompt(
+        method, p, cfg, t, v, positions(v, jnp.zeros((t.shape[0],), jnp.int32)), kernels)[1])
+    kv = fn(params, tokens, valid)
+    return np.asarray(kv.pos), np.asarray(kv.valid)
 
 
 KEPT_CASES = [

@@ -1,4 +1,4 @@
-"""RoCo (`roco`) and CaM (`cam`), the D2O paper's baselines (METHODS.md section 5).
+"""RoCo (`roco`) and CaM (`cam`), the D2O paper's baselines (docs/methods.md "D2O").
 
 - Step-by-step references in plain numpy over HF eager attention of the same weights
   (`hf_decode`): prefill selection from the prompt's attentions, then decode tokens one by

@@ -9,7 +9,7 @@ Per op and context: median time over `--repeats` runs after a compile, the op's
 compulsory bytes (every input read once, every output written once) divided by the
 time as a fraction of the HBM bandwidth, and the speedup of the Pallas kernel over xla
 measured in the same run. The bandwidth is 3.0 TB/s on an H100 (measured
-device-to-device copy, TOOLCHAIN.md); on any other device pass `--hbm-tbs`, or the
+device-to-device copy, docs/results/gpu.md); on any other device pass `--hbm-tbs`, or the
 fraction is not printed. Pallas runs where the backend compiles it (TPU, Hopper GPU);
 elsewhere only xla runs and the speedup column is empty.
 """
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from kvjax import pallas
 
-KNOWN_TBS = {"H100": 3.0}  # measured on the lent machines (TOOLCHAIN.md)
+KNOWN_TBS = {"H100": 3.0}  # measured on an H100 80GB (device-to-device copy)
 
 
 @dataclass

@@ -24,7 +24,7 @@ def uniform(budget: int, num_layers: int) -> np.ndarray:
 def pyramid(budget: int, n: int, num_layers: int, window: int, beta: float) -> np.ndarray:
     """[L] PyramidKV's linear schedule, exactly kvpress `PyramidKVPress.get_layer_budget`.
 
-    PyramidKV (Cai et al. 2024; written out as lava.txt Eq. 21): the last layer keeps
+    PyramidKV (Cai et al. 2024; written out as LAVa paper Eq. 21): the last layer keeps
     `B / beta`, the first `2B - B / beta`, linear in between, so the mean over layers is
     the average budget `B`. kvpress's form (with `B = n (1 - ratio)` entries per layer,
     window included -- its `max_capacity_prompt - window_size`):

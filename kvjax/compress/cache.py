@@ -31,6 +31,10 @@ class LayerKV:
     pos: Int[Array, "(L) B K S"]  # original token positions
     valid: Bool[Array, "(L) B K S"]  # live slots
 
+    def __iter__(self):
+        """`k, v, pos, valid = kv` (by name everywhere else)."""
+        return iter((self.k, self.v, self.pos, self.valid))
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

@@ -1,5 +1,5 @@
 """ASL (adaptive selection layer) and the layer-wise baselines of its tables, FastKV and
-GemFilter (asl.txt; METHODS.md section 1; authors' code TANIGUCHIREI/ASL).
+GemFilter (ASL paper; docs/methods.md "ASL"; authors' code TANIGUCHIREI/ASL).
 
 ASL scores tokens at every prefill layer by pooled window attention (Eq. 1: window 32,
 avgpool 7 counting the padding, softmax in fp32, summed over the window, over the query
@@ -116,7 +116,7 @@ class ASL2Pass(ASL):
 @register
 @dataclasses.dataclass(frozen=True)
 class FastKV(LayerwiseSelection):
-    """FastKV (Jo et al., 2025; defaults from its code as METHODS.md gives them): token-
+    """FastKV (Jo et al., 2025; defaults from its code, docs/methods.md "ASL"): token-
     selective propagation at a fixed layer (15 of 32, scaled to the model's depth) of
     `tsp_rate` = 20% of the prompt; SnapKV-style retention of `budget` entries per layer
     and KV head (`kv_rate` = 10% of the prompt when no budget is given) with window 8,
@@ -153,7 +153,7 @@ class FastKV(LayerwiseSelection):
 class GemFilter(LayerwiseSelection):
     """GemFilter (Shi et al., 2024): at a fixed filter layer (13 of 32, scaled), score the
     prefix by the last query's raw q.k summed over all query heads (no softmax, no scale),
-    avgpool 5 (METHODS.md), keep the top `select_k` (window = the last token), then run the
+    avgpool 5 (docs/methods.md "ASL"), keep the top `select_k` (window = the last token), then run the
     whole model again on the selected tokens with positions 0..k-1; every layer keeps them."""
 
     name: ClassVar[str] = "gemfilter"

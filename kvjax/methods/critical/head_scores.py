@@ -25,7 +25,7 @@ redistributed by normalised score, on top of a uniform floor. With `B` = budget 
     b_{l,h} = round(p_{l,h} * pool + floor) + w                   (torch.round: half to even)
 
 so the total is `L * H * B` up to rounding. GQA: the authors' cache is per query head; kvjax
-keeps one entry set per KV head (METHODS.md section 0), so a KV head's share is the sum of
+keeps one entry set per KV head (docs/methods.md "Conventions"), so a KV head's share is the sum of
 its G query heads' shares over a pool of `(base // beta) * L * K` (= the mean of the query
 heads' budgets in the authors' formula).
 """

@@ -1,4 +1,4 @@
-"""CriticalKV (Feng et al. 2025, criticalkv.txt Algorithm 1) as a selection rule that wraps
+"""CriticalKV (Feng et al. 2025, CriticalKV paper Algorithm 1) as a selection rule that wraps
 a base method: `Critical(base=...)` keeps the base's per-head budgets b and replaces *which*
 entries fill them -- stage 1 keeps the top `int(first_stage_ratio * b)` by the base's
 attention score, stage 2 fills the rest by `(score + epsilon) * mean_g ||v_i W_O^h||_1`

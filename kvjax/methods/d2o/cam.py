@@ -1,7 +1,7 @@
 """CaM (Zhang et al., ICML 2024, "CaM: cache merging for memory-efficient LLMs inference";
-the authors' code is zyxxmu/cam). A baseline of D2O's tables (d2o.txt Sec. 2 "Token
+the authors' code is zyxxmu/cam). A baseline of D2O's tables (D2O paper Sec. 2 "Token
 Merging": "CaM proposes to use a Bernoulli process to generate a mask for value state
-merging on the KV cache"; Tables 1-3, 15-17, 19, 20; METHODS.md section 5: "CaM (merging
+merging on the KV cache"; Tables 1-3, 15-17, 19, 20; docs/methods.md "D2O": "CaM (merging
 with a Bernoulli mask)"). The CaM paper's own text is not among the shared papers: the formulas
 below are the authors' code's, and no equation numbers are cited for that reason.
 

@@ -1,5 +1,5 @@
 """D2O (Wan et al. 2025, "D2O: dynamic discriminative operations for efficient long-context
-inference of large language models"; d2o.txt; docs/methods.md, "D2O").
+inference of large language models"; D2O paper; docs/methods.md, "D2O").
 
 Layer level (Eq. 4-5): F_v^l = variance over prompt columns of the layer's attention column
 sums (H2O's accumulated attention, computed blockwise by `kvjax.compress.scoring.cumulative_attention`,

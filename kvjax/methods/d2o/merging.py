@@ -1,4 +1,4 @@
-"""D2O's merging (d2o.txt Eq. 8-12): each evicted key's nearest kept key by cosine
+"""D2O's merging (D2O paper Eq. 8-12): each evicted key's nearest kept key by cosine
 similarity, and the weighted merge of the evicted entries into it."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """RoCo (Ren & Zhu 2024, "On the efficacy of eviction policy for key-value constrained
 generative language model inference", arXiv 2402.06262; the authors' code is EasyKV,
-DRSY/EasyKV `easykv/easykv.py`, policy `roco`). A baseline of D2O's tables (d2o.txt
-Sec. 1: "mean attention scores (e.g., RoCo)"; Tables 1, 2 and 17; METHODS.md section 5:
+DRSY/EasyKV `easykv/easykv.py`, policy `roco`). A baseline of D2O's tables (D2O paper
+Sec. 1: "mean attention scores (e.g., RoCo)"; Tables 1, 2 and 17; docs/methods.md "D2O":
 "RoCo (mean attention + std)"). The RoCo paper's own text is not among the shared papers:
 the formulas below are EasyKV's, and no equation numbers are cited for that reason.
 

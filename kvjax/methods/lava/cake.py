@@ -1,4 +1,4 @@
-"""CAKE (Qin et al. 2025) as LAVa's appendix defines it (lava.txt Eq. 22-24, Table 4).
+"""CAKE (Qin et al. 2025) as LAVa's appendix defines it (LAVa paper Eq. 22-24, Table 4).
 
 Eviction indicator (Table 4 form): `s_{l,h}[i] = mean_{j in window} A^j[i] + gamma *
 VAR_{j in window}(A^j[i])` over the prefix columns (the window's queries; Eq. 24 writes

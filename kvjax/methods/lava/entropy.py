@@ -1,4 +1,4 @@
-"""LAVa (Shen et al. 2025, lava.txt Sec. 4; docs/methods.md, "LAVa"): one score for heads
+"""LAVa (Shen et al. 2025, LAVa paper Sec. 4; docs/methods.md, "LAVa"): one score for heads
 and layers.
 
 Score (Eq. 5): `s_{l,h}[i] = max_k ||V_{l,h}[k]||_1 * mean_{j in window} A^j_{l,h}[i]`,

@@ -1,4 +1,4 @@
-"""SlimInfer's schedule and block scores (sliminfer.txt Sec. 4.1-4.2, Eq. 1-2), shared by the
+"""SlimInfer's schedule and block scores (SlimInfer paper Sec. 4.1-4.2, Eq. 1-2), shared by the
 prefill, the decode step and the LazyLLM baseline.
 
 Layout. The prompt is cut into blocks of `block` tokens by *original position* (block j =

@@ -1,4 +1,4 @@
-"""Host-memory KV store and the overlap-aware swap test (SlimInfer, sliminfer.txt Sec. 4.3,
+"""Host-memory KV store and the overlap-aware swap test (SlimInfer, SlimInfer paper Sec. 4.3,
 Algorithm 1).
 
 Blocks of KV (and LazyLLM-style auxiliary hidden states) that are not active live in host

@@ -1,4 +1,4 @@
-"""SlimInfer (Long et al., AAAI 2026, sliminfer.txt; docs/methods.md "SlimInfer"; no public
+"""SlimInfer (Long et al., AAAI 2026, SlimInfer paper; docs/methods.md "SlimInfer"; no public
 code) and
 its baseline LazyLLM (Fu et al., 2024) at the same pruning layers.
 
@@ -6,7 +6,7 @@ SlimInfer prunes whole blocks of *hidden states* at a few "slim" layers, so deep
 run on fewer tokens, and while decoding it re-chooses the active blocks at every step,
 keeping the KV of inactive blocks in host memory and fetching only what changed.
 
-Defaults and where they come from (sliminfer.txt Sec. 5.1 "Implementation details" unless
+Defaults and where they come from (SlimInfer paper Sec. 5.1 "Implementation details" unless
 said otherwise):
 - blocks of 64 tokens, token units of 8 (Eq. 1 unit-mean keys), query window w = 4 (mean
   of the last 4 queries: prompt tail in prefill, the newest tokens in decode), swap
@@ -290,7 +290,7 @@ class SlimInferAggressive(SlimInfer):
 @register
 @dataclasses.dataclass(frozen=True)
 class LazyLLM(SlimInfer):
-    """LazyLLM (Fu et al., 2024) as SlimInfer's baseline (sliminfer.txt Sec. 5.1: "pruning at
+    """LazyLLM (Fu et al., 2024) as SlimInfer's baseline (SlimInfer paper Sec. 5.1: "pruning at
     the same layers as SlimInfer, retaining 50% of tokens at each pruning layer").
 
     Token-level (block = unit = 1): at each pruning layer the last token's softmax attention

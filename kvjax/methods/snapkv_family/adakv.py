@@ -4,7 +4,7 @@ allocation for efficient LLM inference"): Ada-SnapKV and Ada-PyramidKV.
 SnapKV's score (window attention, pooled, GQA mean), but a layer's budget is shared by
 its KV heads: one top-k over heads x positions keeps `K * b` entries (b = the layer's
 per-head budget: `budget` for Ada-SnapKV, PyramidKV's schedule for Ada-PyramidKV), so
-each head keeps as many entries as made the layer's top (lava.txt Eq. 26). A safeguard
+each head keeps as many entries as made the layer's top (LAVa paper Eq. 26). A safeguard
 keeps a floor per head. Heads keep different numbers of live slots in the masked cache
 (kvpress masks evicted keys instead; the AdaKV code uses a flattened varlen cache).
 

@@ -2,7 +2,7 @@
 of large language models").
 
 Score: accumulated attention -- every prompt entry's column sum of the causal softmax
-over all prompt queries (lava.txt Eq. 18), then, while decoding, plus each new token's
+over all prompt queries (LAVa paper Eq. 18), then, while decoding, plus each new token's
 attention. GQA: mean over the query heads of a KV head (docs/methods.md, "Baselines"). The
 budget splits into `recent = int(budget * recent_ratio)` most recent entries (always
 kept) and `budget - recent` heavy hitters (the highest accumulated scores among the

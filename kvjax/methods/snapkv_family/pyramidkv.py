@@ -2,7 +2,7 @@
 information funneling").
 
 SnapKV's score (window attention, pooled, GQA mean), with per-layer budgets on a linear
-pyramid (lava.txt Eq. 21): the first layer keeps `2B - B/beta`, the last `B/beta`, the
+pyramid (LAVa paper Eq. 21): the first layer keeps `2B - B/beta`, the last `B/beta`, the
 mean over layers is `budget` (window included in every layer's count). The schedule is
 kvpress `PyramidKVPress.get_layer_budget` exactly (`kvjax.compress.budgets.pyramid`): the first
 layer is capped at `n - window` (the last raised to keep the mean), and when the smallest

@@ -1,6 +1,6 @@
 """SnapKV (Li et al. 2024, "SnapKV: LLM knows what you are looking for before generation").
 
-Score (lava.txt Eq. 20; SnapKV Sec. 4 / Listing 1): the last `window` prompt queries
+Score (LAVa paper Eq. 20; SnapKV Sec. 4 / Listing 1): the last `window` prompt queries
 attend to the prefix, softmax in fp32 over every key they see; the prefix columns are
 averaged over the window, pooled along the tokens (stride 1, same length) and averaged
 over the query heads of each KV head (GQA mean, kvpress and the AdaKV code; see

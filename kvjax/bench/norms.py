@@ -1,7 +1,7 @@
 """CriticalKV's projected value norms, blockwise vs materialising, in one run (issue 9).
 
-    python -m kvjax.bench.critical                       # Llama-3-8B-shaped, 1k/4k/8k tokens
-    python -m kvjax.bench.critical --contexts 512 --hidden 128 --kv-heads 2 --groups 2 \
+    python -m kvjax.bench.norms                       # Llama-3-8B-shaped, 1k/4k/8k tokens
+    python -m kvjax.bench.norms --contexts 512 --hidden 128 --kv-heads 2 --groups 2 \
         --head-dim 64                                   # the bundled model's shapes
 
 `||V_i W_O^h||_1`, mean over the G query heads of each KV head, for every prompt entry:
@@ -33,7 +33,7 @@ def temp_bytes(exe) -> int | None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.bench.critical", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m kvjax.bench.norms", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="1024,4096,8192")
     p.add_argument("--kv-heads", type=int, default=8)

@@ -1,7 +1,7 @@
 """SlimInfer vs full and LazyLLM: TTFT and decode speed, one run.
 
-    python -m kvjax.bench.sliminfer                       # bundled model, 2048/4096/8192
-    python -m kvjax.bench.sliminfer --model random --contexts 512,1024 --new-tokens 8
+    python -m kvjax.bench.pruning                       # bundled model, 2048/4096/8192
+    python -m kvjax.bench.pruning --model random --contexts 512,1024 --new-tokens 8
 
 For each context and method: compile time (apart, not timed), TTFT (prefill + pruning,
 the logits of the last prompt token included) and its ratio to `full` measured in this
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     from kvjax.methods.slim.blocks import prefill_flop_ratio
     from kvjax.run import overrides
 
-    p = argparse.ArgumentParser(prog="python -m kvjax.bench.sliminfer", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m kvjax.bench.pruning", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-retrieval",
                    help="bundled model, checkpoint directory, or `random`")
