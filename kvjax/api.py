@@ -9,10 +9,10 @@ from typing import Any, Callable, Sequence
 import jax.numpy as jnp
 
 from kvjax import engine
-from kvjax.config import ModelConfig
 from kvjax.compress.method import Method
-from kvjax.pallas.dispatch import Kernels
+from kvjax.config import ModelConfig
 from kvjax.models.checkpoint import load_hf
+from kvjax.pallas.dispatch import Kernels
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "assets"
 BUNDLED = ("tiny-retrieval",)

@@ -241,8 +241,7 @@ def _haystack(n: int, rng: np.random.Generator, random_tokens: int | bool | floa
     `*_mixed[:p]`, p = 1/2 by default) each a digit with probability p, else any
     punctuation mark or word: the tasks' values are digit strings, and digits that no
     random task shows end up with one shared embedding (MODEL.md)."""
-    from kvjax.tasks import haystack
-    from kvjax.tasks import vocab
+    from kvjax.tasks import haystack, vocab
     from kvjax.tasks.tokenizer import token_ids, vocabulary
 
     if not random_tokens:
@@ -414,6 +413,7 @@ def seed_from_export(config_path: str | Path, workdir: str | Path, export: str |
     This lets a phase added to the schedule start from the shipped weights when the deep
     checkpoints (too large to commit) are gone."""
     import orbax.checkpoint as ocp
+
     from kvjax.models.checkpoint import load_hf
 
     cfg, tc, _ = load_configs(config_path)

@@ -11,7 +11,7 @@ prefilled for `--prompt` tokens with each method's cache at rho of that prompt, 
 token by token (teacher forcing, `engine.extend` under jit, the method's decode hook
 evicting/merging at every step); NLL of every next token. Writes docs/results/d2o.md
 (tables via `kvjax.report`, plots when matplotlib imports). Methods not registered are
-listed as missing rather than run (roco and cam are registered since kvjax/methods/roco.py
+listed as missing rather than run (roco and cam are registered since kvjax/methods/d2o/roco.py
 and cam.py).
 """
 

@@ -24,12 +24,11 @@ script, ~10 s) whenever the model is re-exported;
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
 from pathlib import Path
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvjax import tasks  # noqa: E402
+from kvjax.config import ModelConfig  # noqa: E402
 from kvjax.engine.layers import prefill_layers  # noqa: E402
 from kvjax.methods.critical import head_scores as headkv  # noqa: E402
-from kvjax.config import ModelConfig  # noqa: E402
 from kvjax.models import attention  # noqa: E402
 from kvjax.models.checkpoint import weights_sha256  # noqa: E402
 from kvjax.tasks import tokenizer as task_tok  # noqa: E402

@@ -15,15 +15,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import hf_models  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import hf_models  # noqa: E402
 from kvjax import engine  # noqa: E402
-from kvjax.methods import Method  # noqa: E402
 from kvjax.engine import layers  # noqa: E402
+from kvjax.methods import Method  # noqa: E402
 from kvjax.models import transformer  # noqa: E402
 from kvjax.models.checkpoint import load_hf  # noqa: E402
 

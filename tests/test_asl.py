@@ -8,7 +8,6 @@ would then show a different kept set rather than a small numeric drift).
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(not (PATH / "config.json").exists(),
 
 def test_shipped_weights_match_transformers():
     torch = pytest.importorskip("torch")
-    import transformers
     import jax.numpy as jnp
+    import transformers
 
     model = kvjax.load("tiny-retrieval")
     s = kvjax.tasks.generate("niah_multikey", context_length=512, n=1, seed=0)[0]

@@ -21,8 +21,8 @@ import pytest
 
 from kvjax import engine, methods
 from kvjax.compress import selection as select
-from kvjax.methods.critical import projected_norms as critical
 from kvjax.engine import layers
+from kvjax.methods.critical import projected_norms as critical
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")
@@ -113,7 +113,7 @@ def _capture(cfg, params, method, ctx):
     base = getattr(method, "base", method)  # a Critical wrapper's scores are its base's
 
     def hook(io, s):
-        b = base.layer_budget(io, s)
+        b = base.head_count(io, s)
         return (base.scores(io)[0], io.v[0], io.wo, io.q[0], io.k[0], b[0]), s
     _, out, _ = layers.prefill_layers(params, cfg, tokens, valid, pos, hook, st)
     return [np.asarray(a) for a in out]

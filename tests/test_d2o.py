@@ -33,8 +33,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvjax import engine, methods
-from kvjax.methods.d2o.merging import merge
 from kvjax.compress.layer import LayerIO, LayerKV, Rows
+from kvjax.methods.d2o.merging import merge
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-from kvjax.compress import cache as kvcache
 from kvjax import engine, methods
+from kvjax.compress import cache as kvcache
 from kvjax.config import ModelConfig
 from kvjax.methods import Method
 from kvjax.models import attention

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from kvjax import engine, methods
+from kvjax.engine import layers
 from kvjax.methods.critical import head_scores as headkv
 from kvjax.methods.lava.entropy import lava_scores
-from kvjax.engine import layers
 from kvjax.models import checkpoint
 
 torch = pytest.importorskip("torch")

@@ -17,9 +17,9 @@ import kvjax
 from kvjax import engine, methods, run
 from kvjax.compress import budgets
 from kvjax.compress import selection as select
+from kvjax.compress.layer import LayerIO
 from kvjax.config import ModelConfig
 from kvjax.models.checkpoint import save_hf
-from kvjax.compress.layer import LayerIO
 from kvjax.train import init_params
 
 CFG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64,

@@ -18,8 +18,8 @@ hf_models = pytest.importorskip("hf_models")
 
 from kvjax import engine  # noqa: E402
 from kvjax.compress.cache import KVCache  # noqa: E402
-from kvjax.methods import Method  # noqa: E402
 from kvjax.engine import layers  # noqa: E402
+from kvjax.methods import Method  # noqa: E402
 from kvjax.models import transformer  # noqa: E402
 from kvjax.models.checkpoint import load_hf  # noqa: E402
 

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from jax import monitoring
 
 from kvjax import engine, methods
-from kvjax.methods.slim import host_store as offload
 from kvjax.methods.slim import blocks as core
+from kvjax.methods.slim import host_store as offload
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")

@@ -133,10 +133,9 @@ def main(argv=None) -> int:
         from importlib.metadata import version
 
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        import kvpress
         import torch
         import transformers
-
-        import kvpress
 
         transformers.utils.logging.disable_progress_bar()
         torch.set_num_threads(a.torch_threads)

@@ -23,7 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.bench.kernels import timed
-from kvjax.methods.critical.projected_norms import projected_value_norms, projected_value_norms_dense
+from kvjax.methods.critical.projected_norms import (
+    projected_value_norms,
+    projected_value_norms_dense,
+)
 
 
 def temp_bytes(exe) -> int | None:

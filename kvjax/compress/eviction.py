@@ -121,14 +121,14 @@ class PrefillEviction(Method):
         """Per-KV-head scores of every prompt column; forced +inf, padding -inf."""
         raise NotImplementedError
 
-    def layer_budget(self, io: LayerIO, state: Any) -> Int[Array, "B"]:
+    def head_count(self, io: LayerIO, state: Any) -> Int[Array, "B"]:
         """This layer's per-head budget for each element: `budget` (uniform) by default."""
         return jnp.full(io.k.shape[:1], self.budget, jnp.int32)
 
     def head_budgets(self, io: LayerIO, s_BKT: Array, state: Any) -> HeadBudgets:
         """How many entries each head keeps: the layer budget, at most the prompt."""
         B, K = s_BKT.shape[:2]
-        count = jnp.minimum(self.layer_budget(io, state), real_length(io))[:, None]
+        count = jnp.minimum(self.head_count(io, state), real_length(io))[:, None]
         return HeadBudgets(jnp.broadcast_to(count, (B, K)))
 
     def choose(self, io, s_BKT, hb: HeadBudgets, S: int):

@@ -44,6 +44,14 @@ class LayerIO:
     def kv(self) -> LayerKV:
         return LayerKV(self.k, self.v, self.pos, self.valid)
 
+    def at_layer(self, a: Array) -> Array:
+        """This layer's slice of a per-layer state array [L, ...]."""
+        return jax.lax.dynamic_index_in_dim(a, self.layer, keepdims=False)
+
+    def set_layer(self, a: Array, x: Array) -> Array:
+        """A per-layer state array [L, ...] with this layer's slice replaced by x."""
+        return jax.lax.dynamic_update_index_in_dim(a, x, self.layer, 0)
+
     @property
     def valid_BT(self) -> Bool[Array, "B T"]:
         """Prefill: which prompt columns are tokens (padding is False)."""

@@ -25,8 +25,8 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
-from kvjax.methods.registry import register
 from kvjax.methods.asl.layerwise import LayerwiseSelection, descending_ranks
+from kvjax.methods.registry import register
 
 
 @register

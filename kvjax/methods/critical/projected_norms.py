@@ -5,7 +5,7 @@ output perturbation perspective"): the projected value norm and the two-stage ru
   (W_O^h = rows h*Dh:(h+1)*Dh of the layer's W_O [H*Dh, D]), averaged over the G query
   heads sharing each KV head (kvpress `CriticalKVPress.vwl1norm`). Computed in blocks
   of `block` tokens (`lax.map`), so at most [B, H, block, D] exists at once, never
-  [B, H, n, D]. This is the `jnp` reference the Pallas kernel aligns to.
+  [B, H, n, D]: the `value_norms` kernel op's `xla` reference.
 - `two_stage_scores`: Algorithm 1 of the paper / kvpress semantics. Per head with budget
   b: stage 1 keeps the top `int(alpha * b)` entries by the base attention score; stage 2
   ranks the others by `(score + eps) * norm`. Returned as one score array whose top-b
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.compress.selection import mark
+from kvjax.pallas.ops.value_norms import xla as value_norms_xla
 
 EPS = 1e-4
 ALPHA = 0.5
@@ -27,22 +28,9 @@ ALPHA = 0.5
 def projected_value_norms(
     v_BKTD: Float[Array, "B K T Dh"], wo: Float[Array, "HDh D"], block: int = 256
 ) -> Float[Array, "B K T"]:
-    """mean_g ||v_i W_O^{k*G+g}||_1 per KV head k and entry i, blockwise over tokens."""
-    B, K, T, Dh = v_BKTD.shape
-    H = wo.shape[0] // Dh
-    G = H // K
-    w = wo.reshape(K, G, Dh, -1).astype(jnp.float32)  # head h = k * G + g (repeat_kv order)
-    blk = min(block, T)
-    nb = -(-T // blk)
-    v = jnp.pad(v_BKTD.astype(jnp.float32), [(0, 0), (0, 0), (0, nb * blk - T), (0, 0)])
-    v = jnp.moveaxis(v.reshape(B, K, nb, blk, Dh), 2, 0)  # [nb, B, K, blk, Dh]
-
-    def one(vb):
-        y = jnp.einsum("bktd,kgde->bkgte", vb, w, precision=jax.lax.Precision.HIGHEST)
-        return jnp.mean(jnp.sum(jnp.abs(y), axis=-1), axis=2)  # [B, K, blk]
-
-    out = jax.lax.map(one, v)  # [nb, B, K, blk]
-    return jnp.moveaxis(out, 0, 2).reshape(B, K, nb * blk)[..., :T]
+    """mean_g ||v_i W_O^{k*G+g}||_1 per KV head k and entry i, blockwise over tokens: the
+    `value_norms` kernel op's reference (`kvjax.pallas.ops.value_norms.xla`)."""
+    return value_norms_xla.value_norms(v_BKTD, wo, block=block)
 
 
 def projected_value_norms_dense(v_BKTD, wo):

@@ -51,10 +51,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.compress import scoring, selection
-from kvjax.config import ModelConfig
-from kvjax.methods.registry import register
 from kvjax.compress.eviction import DecodeEviction, force, query_sum
 from kvjax.compress.layer import LayerIO, LayerKV, Rows
+from kvjax.config import ModelConfig
+from kvjax.methods.registry import register
 
 
 def cam_merge(
@@ -174,8 +174,7 @@ class CaM(DecodeEviction):
         k, v, pos, kept = evicted.k, evicted.v, evicted.pos, evicted.valid
         gone = io.valid & ~kept
         l = io.layer
-        take = lambda a: jax.lax.dynamic_index_in_dim(a, l, keepdims=False)  # noqa: E731
-        put = lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x, l, 0)  # noqa: E731
+        take, put = io.at_layer, io.set_layer
         step = take(st["step"])
         if self.merge:
             attn = scoring.gqa_reduce(query_sum(probs_BKGTC, io.qvalid), "mean")  # [B, K, C]

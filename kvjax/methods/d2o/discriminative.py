@@ -196,9 +196,7 @@ class D2O(DecodeEviction):
     # ---- decode -------------------------------------------------------------------------
 
     def decode_layer(self, io: LayerIO, probs, st):
-        l = io.layer
-        take = lambda a: jax.lax.dynamic_index_in_dim(a, l, keepdims=False)  # noqa: E731
-        put = lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x, l, 0)  # noqa: E731
+        take, put = io.at_layer, io.set_layer
         add = scoring.gqa_reduce(query_sum(probs, io.qvalid), self.gqa)  # [B, K, C]
         acc = take(st["acc"]) + add
         s_B, m_B = take(st["budget"]), take(st["recent"])

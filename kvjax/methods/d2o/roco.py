@@ -49,11 +49,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.compress import scoring, selection
+from kvjax.compress.eviction import DecodeEviction
+from kvjax.compress.layer import LayerIO
 from kvjax.config import ModelConfig
 from kvjax.methods.registry import register
-from kvjax.compress.eviction import DecodeEviction
 from kvjax.models import attention
-from kvjax.compress.layer import LayerIO, LayerKV
 
 
 def attention_moments(
@@ -173,19 +173,15 @@ class RoCo(DecodeEviction):
         qv = jnp.ones(io.qpos.shape, bool) if io.qvalid is None else io.qvalid
         w = qv[:, None, :, None]
         seen = attention.mask(io.qpos, io.pos, io.valid) & w  # [B, K, T, C]
-        take = lambda x: jax.lax.dynamic_index_in_dim(x, io.layer, keepdims=False)  # noqa: E731
+        take = io.at_layer
         new = {"s": take(st["s"]) + jnp.sum(jnp.where(w, a, 0.0), axis=2),
                "s2": take(st["s2"]) + jnp.sum(jnp.where(w, a * a, 0.0), axis=2),
                "c": take(st["c"]) + jnp.sum(seen, axis=2, dtype=jnp.float32)}
-        st = {k: jax.lax.dynamic_update_index_in_dim(st[k], x, io.layer, 0)
-              for k, x in new.items()}
+        st = {k: io.set_layer(st[k], x) for k, x in new.items()}
         mean, std = mean_std(new["s"], new["s2"], new["c"])
         return mean, ~self.protected(io.pos, io.valid, std), st
 
     def on_evict(self, gone_BKC: Bool[Array, "B K C"], io: LayerIO, st):
         """Evicted slots start from zero moments (the next token written there)."""
-        def reset(a):
-            la = jax.lax.dynamic_index_in_dim(a, io.layer, keepdims=False)
-            return jax.lax.dynamic_update_index_in_dim(a, jnp.where(gone_BKC, 0.0, la),
-                                                       io.layer, 0)
-        return {k: reset(a) for k, a in st.items()}
+        return {k: io.set_layer(a, jnp.where(gone_BKC, 0.0, io.at_layer(a)))
+                for k, a in st.items()}

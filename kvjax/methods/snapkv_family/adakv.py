@@ -34,12 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.compress import budgets
+from kvjax.compress.eviction import HeadBudgets, WindowScored, real_length
+from kvjax.compress.layer import LayerIO
 from kvjax.config import ModelConfig
 from kvjax.methods.registry import register
-from kvjax.compress.eviction import HeadBudgets, real_length
 from kvjax.methods.snapkv_family.pyramidkv import PyramidSchedule, _table
-from kvjax.compress.eviction import WindowScored
-from kvjax.compress.layer import LayerIO
 
 SAFEGUARDS = ("kvpress", "code")
 
@@ -88,7 +87,7 @@ class AdaKVBase(WindowScored):
         safeguard entries (which a wrapper's first stage must keep); the code variant: its
         counts mixed with a uniform floor."""
         B, K, T = s_BKT.shape
-        b = jnp.minimum(self.layer_budget(io, state), real_length(io))  # [B]
+        b = jnp.minimum(self.head_count(io, state), real_length(io))  # [B]
         if self.safeguard == "kvpress":
             b_max = self.max_budget(T)
             keep, safe = budgets.flattened_heads(s_BKT, b[:, None], self.safe_count(io, state),
@@ -121,14 +120,14 @@ class AdaPyramidKV(PyramidSchedule, AdaKVBase):
         self.validate_beta()
 
     def max_budget(self, n: int) -> int:
-        return max(self.max_layer_budget(n), self.budget)
+        return max(self.max_head_count(n), self.budget)
 
     def init_state(self, cfg: ModelConfig, batch: int, n: int):
         args = (self.budget, n, cfg.num_layers, self.window, float(self.beta))
         return jnp.asarray(_table(*args)), jnp.asarray(_safe_table(*args, self.alpha))
 
-    def layer_budget(self, io: LayerIO, state):
-        return PyramidSchedule.layer_budget(self, io, state[0])
+    def head_count(self, io: LayerIO, state):
+        return PyramidSchedule.head_count(self, io, state[0])
 
     def safe_count(self, io: LayerIO, state):
-        return PyramidSchedule.layer_budget(self, io, state[1])
+        return PyramidSchedule.head_count(self, io, state[1])

@@ -19,14 +19,13 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 
 from kvjax.compress import scoring, selection
+from kvjax.compress.eviction import DecodeEviction, force, newest_positions, query_sum, tail_mask
+from kvjax.compress.layer import LayerIO
 from kvjax.config import ModelConfig
 from kvjax.methods.registry import register
-from kvjax.compress.eviction import DecodeEviction, force, newest_positions, query_sum, tail_mask
-from kvjax.compress.layer import LayerIO, LayerKV
 
 
 @register
@@ -83,11 +82,8 @@ class H2O(DecodeEviction):
 
     def decode_scores(self, io: LayerIO, probs, acc):
         add = scoring.gqa_reduce(query_sum(probs, io.qvalid), self.gqa)  # [B, K, C]
-        layer_acc = jax.lax.dynamic_index_in_dim(acc, io.layer, keepdims=False) + add
-        acc = jax.lax.dynamic_update_index_in_dim(acc, layer_acc, io.layer, 0)
-        return layer_acc, ~newest_positions(io, self.recent), acc
+        layer_acc = io.at_layer(acc) + add
+        return layer_acc, ~newest_positions(io, self.recent), io.set_layer(acc, layer_acc)
 
     def on_evict(self, gone, io: LayerIO, acc):
-        layer_acc = jax.lax.dynamic_index_in_dim(acc, io.layer, keepdims=False)
-        layer_acc = jnp.where(gone, 0.0, layer_acc)
-        return jax.lax.dynamic_update_index_in_dim(acc, layer_acc, io.layer, 0)
+        return io.set_layer(acc, jnp.where(gone, 0.0, io.at_layer(acc)))

@@ -15,9 +15,9 @@ import dataclasses
 from typing import ClassVar
 
 from kvjax.compress import scoring
-from kvjax.methods.registry import register
 from kvjax.compress.eviction import PrefillEviction, force, tail_mask
-from kvjax.compress.layer import LayerIO, LayerKV
+from kvjax.compress.layer import LayerIO
+from kvjax.methods.registry import register
 
 
 @register

@@ -23,11 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.compress import budgets
+from kvjax.compress.eviction import WindowScored, real_length
+from kvjax.compress.layer import LayerIO
 from kvjax.config import ModelConfig
 from kvjax.methods.registry import register
-from kvjax.compress.eviction import real_length
-from kvjax.compress.eviction import WindowScored
-from kvjax.compress.layer import LayerIO
 
 
 @lru_cache(maxsize=64)
@@ -49,12 +48,12 @@ class PyramidSchedule:
     def init_state(self, cfg: ModelConfig, batch: int, n: int):
         return jnp.asarray(_table(self.budget, n, cfg.num_layers, self.window, float(self.beta)))
 
-    def layer_budget(self, io: LayerIO, table):
+    def head_count(self, io: LayerIO, table):
         """[B] this layer's per-head budget for each element (traced layer index)."""
         n = jnp.minimum(real_length(io), table.shape[0] - 1)
         return table[n, io.layer]
 
-    def max_layer_budget(self, n: int) -> int:
+    def max_head_count(self, n: int) -> int:
         # layer 0 holds the largest budget and does not depend on the depth
         return int(_table(self.budget, n, 2, self.window, float(self.beta))[:, 0].max())
 
@@ -76,5 +75,5 @@ class PyramidKV(PyramidSchedule, WindowScored):
         self.validate_beta()
 
     def kept_slots(self, n: int) -> int:
-        return min(max(self.max_layer_budget(n), self.budget), n)
+        return min(max(self.max_head_count(n), self.budget), n)
 

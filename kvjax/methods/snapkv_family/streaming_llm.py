@@ -19,10 +19,10 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
+from kvjax.compress.eviction import DecodeEviction, force
+from kvjax.compress.layer import LayerIO
 from kvjax.config import ModelConfig
 from kvjax.methods.registry import register
-from kvjax.compress.eviction import DecodeEviction, force
-from kvjax.compress.layer import LayerIO, LayerKV
 
 
 @register

@@ -21,9 +21,9 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from kvjax.compress import scoring
-from kvjax.methods.registry import register
 from kvjax.compress.eviction import DecodeEviction, force, newest_positions, tail_mask
-from kvjax.compress.layer import LayerIO, LayerKV
+from kvjax.compress.layer import LayerIO
+from kvjax.methods.registry import register
 
 
 @register

@@ -3,8 +3,8 @@
 norm[b, k, i] = mean over the G query heads h of KV head k of ||V[b, k, i] W_O^h||_1, with
 W_O^h = o[h*Dh:(h+1)*Dh] the head's slice of the output projection (rows of `o`, the
 model's [H*Dh, hidden] weight; head h = k*G + g, repeat_kv order), in fp32 at full
-precision (docs/methods.md "CriticalKV", kvpress `CriticalKVPress.vwl1norm`). Same arithmetic
-as `kvjax.methods.critical.projected_norms.projected_value_norms` (tests hold them together).
+precision (docs/methods.md "CriticalKV", kvpress `CriticalKVPress.vwl1norm`); CriticalKV's
+`projected_value_norms` is this function.
 """
 
 from __future__ import annotations
