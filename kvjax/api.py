@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
+import numpy as np
 
-from kvjax import engine
+from kvjax import distributed, engine
 from kvjax.compress.method import Method
 from kvjax.config import ModelConfig
 from kvjax.models.checkpoint import load_hf
@@ -25,13 +26,64 @@ class Model:
     name: str
     path: Path | None = None
     tokenizer: Any = None  # a `tokenizers.Tokenizer`, or None for token-id-only use
+    # an HF checkpoint's special tokens and chat template (`kvjax.tokenization`); None for
+    # the bundled task tokenizer, which adds <bos> itself
+    text_format: Any = None
+    # the (data, model) `jax.sharding.Mesh` the params are placed on (`load(..., mesh=)`);
+    # generate and compress run on it unless given another
+    mesh: Any = None
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Token ids of `text`. `bos`: add the special tokens of a prompt's start -- an HF
+        checkpoint's as transformers adds them (`add_special_tokens`: Llama 3's
+        <|begin_of_text|>, none for Qwen2), the task tokenizer's `bos_token_id`."""
         if self.tokenizer is None:
             raise ValueError(f"model {self.name!r} has no tokenizer: pass token ids instead of text")
+        if self.text_format is not None:
+            from kvjax import tokenization
+
+            return tokenization.encode(self.tokenizer, self.text_format, text, bos)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         b = self.cfg.bos_token_id
         return [b, *ids] if bos and b is not None else ids
+
+    def render_chat(self, text: str) -> str:
+        """`text` as the user turn of the checkpoint's chat template, with the generation
+        prompt (`apply_chat_template(..., add_generation_prompt=True, tokenize=False)`)."""
+        if self.text_format is None:
+            raise ValueError(f"model {self.name!r} has no chat template (its tokenizer is not "
+                             "an HF checkpoint's)")
+        from kvjax import tokenization
+
+        return tokenization.render_chat(self.text_format, text)
+
+    def prompt_ids(self, context: str, question: str, chat: bool = False,
+                   sep: str = " ") -> tuple[list[int], list[int]]:
+        """The prompt `context + sep + question` as ids, cut where the context ends: (what
+        the context-only scenario compresses, what it prefills on top). Joined, they are
+        the question-aware prompt: the text is tokenized once and cut (`sep` goes with the
+        question, as a byte-level BPE attaches a space to the word after it).
+
+        chat: the prompt is the user turn of the checkpoint's chat template; the
+        compressed part is the rendering up to the context's end (system prompt, the
+        turn's header, the context), the prefilled part the rest (the question, the turn's
+        end, the assistant's header)."""
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.name!r} has no tokenizer to encode text with")
+        if self.text_format is None:
+            if chat:
+                raise ValueError(f"model {self.name!r} has no chat template (its tokenizer is "
+                                 "not an HF checkpoint's)")
+            # the task tokenizer splits on whitespace: the two parts are the whole's ids
+            return self.encode(context), self.encode(question, bos=False)
+        from kvjax import tokenization
+
+        if chat:
+            text, at = tokenization.render_chat_split(self.text_format, context, sep + question)
+            return tokenization.split_ids(self.tokenizer, self.text_format, text, at,
+                                          add_special_tokens=False)
+        return tokenization.split_ids(self.tokenizer, self.text_format,
+                                      context + sep + question, len(context))
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -63,16 +115,48 @@ def model_dir(name_or_path: str | Path) -> Path:
     return path
 
 
-def load(name_or_path: str | Path = "tiny-retrieval", dtype=jnp.float32) -> Model:
-    """The bundled model by name, or a local HF checkpoint directory (no network)."""
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(dtype="auto"):
+    """A parameter dtype: a name of `DTYPES`, a dtype, or "auto": bfloat16 on GPU and TPU
+    (half the memory of float32, what HF checkpoints are trained and shipped in), float32
+    on CPU (XLA:CPU has no fast bfloat16 matmul, and CPU runs are the reference ones)."""
+    if isinstance(dtype, str):
+        if dtype == "auto":
+            import jax
+
+            return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    return dtype
+
+
+def load(name_or_path: str | Path = "tiny-retrieval", dtype=jnp.float32, mesh=None) -> Model:
+    """The bundled model by name, or a local HF checkpoint directory (no network).
+
+    dtype: of the parameters (`resolve_dtype`: a dtype, its name, or "auto"). The stop
+    set (`cfg.eos_token_ids`) joins config.json's and generation_config.json's eos ids;
+    an HF tokenizer is read as transformers reads it (`kvjax.tokenization`).
+
+    mesh: a `jax.sharding.Mesh` or "data=D,model=M" (`kvjax.distributed`): each weight is
+    read from the files straight into its shards (no device holds the whole model)."""
     path = model_dir(name_or_path)
-    cfg, params = load_hf(path, dtype)
-    tokenizer = None
+    mesh = distributed.as_mesh(mesh)
+    shardings = None if mesh is None else (lambda c: distributed.param_shardings(c, mesh))
+    cfg, params = load_hf(path, resolve_dtype(dtype), shardings=shardings)
+    tokenizer, text_format = None, None
     if (path / "tokenizer.json").exists():
         from tokenizers import Tokenizer
 
+        from kvjax import tokenization
+        from kvjax.tasks import tokenizer as task_tok
+
         tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    return Model(cfg, params, path.name, path, tokenizer)
+        if not task_tok.is_task_tokenizer(tokenizer):
+            tokenizer, text_format = tokenization.load(path)
+    return Model(cfg, params, path.name, path, tokenizer, text_format, mesh)
 
 
 @dataclasses.dataclass
@@ -82,22 +166,71 @@ class Result:
     stats: dict
 
 
+def _is_id(t) -> bool:
+    """A token id: a Python or numpy integer (a bool or a float is not one)."""
+    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+
+
 def _ids(model: Model, x, bos: bool) -> list[int]:
-    return model.encode(x, bos=bos) if isinstance(x, str) else [int(t) for t in x]
+    """Text (encoded) or a sequence of integer ids; anything else is refused by name, so a
+    float or a nested list never turns into ids silently."""
+    if isinstance(x, str):
+        return model.encode(x, bos=bos)
+    if hasattr(x, "ndim") and x.ndim == 1 and np.asarray(x).dtype.kind in "iu":
+        return np.asarray(x).tolist()
+    bad = [t for t in x if not _is_id(t)]
+    if bad:
+        raise TypeError(f"a prompt is text or a sequence of integer token ids; got an element "
+                        f"{bad[0]!r} of type {type(bad[0]).__name__}")
+    return [int(t) for t in x]
 
 
 def _batch(model: Model, prompt, bos: bool) -> tuple[list[list[int]], bool]:
-    """Normalise str | ids | list of those into a batch; say whether it was a single prompt."""
-    if isinstance(prompt, str) or (len(prompt) and isinstance(prompt[0], (int,))) or (
-            hasattr(prompt, "ndim") and prompt.ndim == 1):
+    """Normalise text | ids | a batch of those (a list, or a 2-D array) into a batch; say
+    whether it was a single prompt. Numpy and JAX integers are ids like Python ints."""
+    if hasattr(prompt, "ndim"):  # numpy / JAX array: 1-D one prompt, 2-D a batch
+        if prompt.ndim not in (1, 2):
+            raise ValueError(f"a prompt array is 1-D (one prompt) or 2-D (a batch), got "
+                             f"shape {tuple(prompt.shape)}")
+        arr = np.asarray(prompt)
+        return ([_ids(model, arr, bos)], True) if arr.ndim == 1 else \
+            ([_ids(model, row, bos) for row in arr], False)
+    if not isinstance(prompt, (str, list, tuple)):
+        raise TypeError(f"a prompt is text, a sequence of token ids, or a batch of those; "
+                        f"got {type(prompt).__name__}")
+    if isinstance(prompt, str) or (len(prompt) and _is_id(prompt[0])):
         return [_ids(model, prompt, bos)], True
     return [_ids(model, p, bos) for p in prompt], False
+
+
+def _method(method) -> Method:
+    """A method instance, a registered name (`"snapkv"`: its configured defaults) or None
+    (`full`)."""
+    if method is None or isinstance(method, Method):
+        return method
+    if isinstance(method, str):
+        from kvjax.methods import registry
+
+        return registry.create(method)
+    raise TypeError(f"method must be a kvjax Method or a registered method name, got "
+                    f"{type(method).__name__}")
+
+
+def _questions(model: Model, question, n_prompts: int):
+    """The context-only questions, one per prompt (refused otherwise, before any work)."""
+    if question is None:
+        return None
+    questions, _ = _batch(model, question, bos=False)
+    if len(questions) != n_prompts:
+        raise ValueError(f"{n_prompts} prompts but {len(questions)} questions: give one "
+                         "question per prompt")
+    return questions
 
 
 def generate(
     model: Model,
     prompt,
-    method: Method | None = None,
+    method: Method | str | None = None,
     *,
     question=None,
     max_new_tokens: int = 32,
@@ -106,34 +239,41 @@ def generate(
     stop_ids: Sequence[int] | None = None,
     seed: int = 0,
     kernels: Kernels = Kernels(),
+    mesh=None,
 ) -> Result:
-    """Compress the prompt with `method` and generate.
+    """Compress the prompt with `method` (an instance, or a registered name with its
+    configured defaults) and generate.
 
     question=None: question-aware (the prompt holds context and question); otherwise the
     prompt is compressed alone and `question` is prefilled on top (context-only).
+    mesh: a `jax.sharding.Mesh` or "data=D,model=M" (default: the model's, `load(...,
+    mesh=)`): the batch over `data` (padded to fill it), the KV heads over `model`; the
+    tokens are the single-device ones (`kvjax.distributed`).
     """
     prompts, single = _batch(model, prompt, bos=True)
-    questions = None
-    if question is not None:
-        questions, _ = _batch(model, question, bos=False)
-        if len(questions) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(questions)} questions")
-    gen = engine.run(model.params, model.cfg, prompts, method, questions=questions,
+    questions = _questions(model, question, len(prompts))
+    gen = engine.run(model.params, model.cfg, prompts, _method(method), questions=questions,
                      max_new_tokens=max_new_tokens,
                      sampling=engine.Sampling(temperature, top_p),
                      stop_ids=None if stop_ids is None else tuple(stop_ids), seed=seed,
-                     kernels=kernels)
+                     kernels=kernels, mesh=_mesh(model, mesh))
     texts = [model.decode(t) for t in gen.tokens] if model.tokenizer is not None else None
     if single:
         return Result(texts[0] if texts else None, gen.tokens[0], gen.stats)
     return Result(texts, gen.tokens, gen.stats)
 
 
-def compress(model: Model, prompt, method: Method | None = None, question=None,
-             kernels: Kernels = Kernels()):
-    """Prefill and compress only (no decoding): (cache, stats). Scenarios as in `generate`."""
+def compress(model: Model, prompt, method: Method | str | None = None, question=None,
+             kernels: Kernels = Kernels(), mesh=None):
+    """Prefill and compress only (no decoding): (cache, stats). Scenarios and `mesh` as in
+    `generate`."""
     prompts, _ = _batch(model, prompt, bos=True)
-    questions = None if question is None else _batch(model, question, bos=False)[0]
-    gen = engine.run(model.params, model.cfg, prompts, method, questions=questions,
-                     max_new_tokens=0, kernels=kernels)
+    questions = _questions(model, question, len(prompts))
+    gen = engine.run(model.params, model.cfg, prompts, _method(method), questions=questions,
+                     max_new_tokens=0, kernels=kernels, mesh=_mesh(model, mesh))
     return gen.cache, gen.stats
+
+
+def _mesh(model: Model, mesh):
+    """The mesh a call runs on: the one given, else the model's (None: one device)."""
+    return distributed.as_mesh(model.mesh if mesh is None else mesh, model.cfg)

@@ -13,10 +13,45 @@ from typing import Callable, Iterable
 
 
 def load_records(*paths: str | Path) -> list[dict]:
+    """The records of `kvjax.run` outputs, in order: a JSON object `{"records": [...]}`
+    (`--output x.json`, and every file under docs/results) or JSON lines, one record a
+    line (`--output x.jsonl`)."""
     out = []
     for p in paths:
-        out += json.loads(Path(p).read_text())["records"]
+        out += _records(Path(p))
     return out
+
+
+def _records(path: Path) -> list[dict]:
+    text = path.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = None  # several lines: JSON lines
+    if isinstance(data, dict) and "records" in data:
+        return data["records"]
+    recs = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i} is not a JSON record: {e}") from None
+    if not all(isinstance(r, dict) for r in recs):
+        raise ValueError(f"{path} holds neither {{\"records\": [...]}} nor one JSON record "
+                         "per line")
+    return recs
+
+
+def is_complete(path: str | Path) -> bool:
+    """Whether a `kvjax.run` output holds every record its command asked for. A JSON
+    output says so (`"complete"`; files older than the field were written only when
+    complete); a JSON-lines output cannot tell, so it counts as incomplete and is resumed
+    (`--resume` skips what it holds)."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        return False
+    return bool(json.loads(path.read_text()).get("complete", True))
 
 
 def pivot(records: Iterable[dict], row: Callable[[dict], object], col: Callable[[dict], object],
@@ -64,17 +99,38 @@ def pyplot():
     return plt
 
 
+# Line styles: 10 colours, 7 marker shapes and 4 dash patterns cycle together, so series i
+# and j share all three only when i = j mod 140, and neighbours differ in all three. Markers
+# are hollow and of three sizes: two series on the same points show both shapes nested, and
+# two identical curves still show both dash patterns.
+_COLORS = tuple(f"C{i}" for i in range(10))
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+_DASHES = ("-", "--", "-.", ":")
+_SIZES = (8, 6, 4.5)
+
+
+def line_style(i: int) -> dict:
+    """matplotlib `plot` keywords of the i-th series: colour, marker and dash pattern all
+    cycle, so lines that coincide stay told apart (`plot_lines`, results overview)."""
+    color = _COLORS[i % len(_COLORS)]
+    return {"color": color, "marker": _MARKERS[i % len(_MARKERS)],
+            "linestyle": _DASHES[i % len(_DASHES)], "markersize": _SIZES[i % len(_SIZES)],
+            "markerfacecolor": "none", "markeredgecolor": color, "markeredgewidth": 1.3,
+            "linewidth": 1.4}
+
+
 def plot_lines(records: Iterable[dict], series, x, y, path: str | Path, xlabel: str, ylabel: str,
                title: str = "", logx: bool = False) -> Path | None:
-    """One line per `series(record)` of y against x; None when matplotlib is missing."""
+    """One line per `series(record)` of y against x, each with its own colour, marker and
+    dash pattern (`line_style`); None when matplotlib is missing."""
     plt = pyplot()
     if plt is None:
         return None
     rows, cols, cells = pivot(records, series, x, y)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for s in rows:
+    for i, s in enumerate(rows):
         pts = sorted((c, cells[s, c]) for c in cols if (s, c) in cells)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(s))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=str(s), **line_style(i))
     if logx:
         ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
@@ -88,6 +144,18 @@ def plot_lines(records: Iterable[dict], series, x, y, path: str | Path, xlabel: 
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion k/n (k may be a sum of fractional
+    scores). A difference between two accuracies whose intervals overlap is a tie."""
+    if n <= 0:
+        raise ValueError(f"wilson: n must be positive, got {n}")
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / den
+    return max(0.0, mid - half), min(1.0, mid + half)
 
 
 def replace_section(doc: str | Path, marker: str, body: str) -> None:
@@ -142,22 +210,27 @@ def _weights_of(args: list[str]) -> str | None:
 
 
 def run_once(path: Path, args: list[str], cwd: Path) -> Path:
-    """`python -m kvjax.run <args> --output path`, unless `path` exists and was measured on
-    the same weights (delete it to re-measure): the results scripts resume where an
-    interrupted sweep stopped, and never reuse records of other weights."""
+    """`python -m kvjax.run <args> --output path`, unless `path` exists, is complete and
+    was measured on the same weights (delete it to re-measure). An interrupted sweep's
+    output (every finished record is kept) is resumed with `--resume`; records of other
+    weights are never reused."""
     import subprocess
     import sys
 
+    resume = []
     if path.exists():
         got = {_weights(r)[0] for r in load_records(path)}
         want = _weights_of(args)
-        if got != {want}:
+        if got - {want}:
             raise ValueError(f"{path} holds records of weights {sorted(got, key=str)}, not of "
                              f"the model's current weights {want}: delete it to re-measure")
-        print(f"{path} exists: not re-running", file=sys.stderr)
-        return path
+        if is_complete(path):
+            print(f"{path} exists: not re-running", file=sys.stderr)
+            return path
+        print(f"{path} is incomplete: resuming", file=sys.stderr)
+        resume = ["--resume"]
     print("kvjax.run " + " ".join(args), file=sys.stderr)
-    subprocess.run([sys.executable, "-m", "kvjax.run", *args, "--output", str(path)],
+    subprocess.run([sys.executable, "-m", "kvjax.run", *args, "--output", str(path), *resume],
                    check=True, cwd=cwd)
     return path
 

@@ -41,7 +41,7 @@ BENCHES = (
      "what D2O's eviction and merge cost per step over H2O's",
      ["prefill", "--model", "random", "--contexts", "2048,8192", "--methods",
       "full,h2o,d2o", "--budget", "0.2", "--decode-tokens", "32", "--repeats", "2",
-      "--set", "cap=1", "--set", "layer_budgets=false"]),
+      "--set", "cap=1", "--set", "variance_layers=false"]),
     ("cam", 10, "CaM vs its StreamingLLM base vs full: decode time per token at 2048 and "
      "8192 (random weights, bundled architecture with 8192 positions)",
      ["prefill", "--model", "random", "--contexts", "2048,8192", "--methods",

@@ -34,15 +34,17 @@ FAMILIES = {
 }
 
 
-def build(name: str, seed: int = 0, scale: float = 0.15, layers: int | None = None):
-    """A random fp32 eager-attention HF model whose weights are far from their init.
+def build(name: str, seed: int = 0, scale: float = 0.15, layers: int | None = None,
+          **config):
+    """A random fp32 eager-attention HF model whose weights are far from their init;
+    `config` overrides fields of the family's config (rope_scaling, sliding window, ...).
 
     HF's init (std 0.02, unit norms, zero biases) gives near-uniform attention and tiny
     logits, which would make a parity test easy to pass by accident; every tensor is
     redrawn so attention is peaked and logits are O(1).
     """
     cfg_cls, model_cls, extra = FAMILIES[name]
-    kw = {**COMMON, **extra}
+    kw = {**COMMON, **extra, **config}
     if layers is not None:
         kw["num_hidden_layers"] = layers
     cfg = getattr(transformers, cfg_cls)(**kw)
@@ -60,12 +62,13 @@ def build(name: str, seed: int = 0, scale: float = 0.15, layers: int | None = No
     return model
 
 
-def build_pair(name: str, seed: int = 0, scale: float = 0.15, layers: int | None = None):
+def build_pair(name: str, seed: int = 0, scale: float = 0.15, layers: int | None = None,
+               **config):
     """(HF model, kvjax config, kvjax params) of the same random weights, via a save/load
     round trip of the HF checkpoint format."""
     from kvjax.models.checkpoint import load_hf
 
-    model = build(name, seed, scale, layers)
+    model = build(name, seed, scale, layers, **config)
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         cfg, params = load_hf(d)

@@ -1,9 +1,12 @@
 """ASL, FastKV, GemFilter: a plain-numpy Algorithm 1-2 over HF eager attentions, the
 one-compilation guarantee, batching, invariants and errors.
 
-Reference tolerance: the relative-variance curve agrees to 1e-4 relative (seen: ~1e-6;
-ranks are integers, so only a near-tie in pooled scores could move them, and the test
-would then show a different kept set rather than a small numeric drift).
+Reference tolerance: the relative-variance curve agrees to 1e-3 relative. Ranks are
+integers; what moves the curve is a pair of tokens whose pooled scores differ by less than
+the fp32 rounding between HF's eager attention and kvjax's, ranked the other way round: one
+such swap moved it by ~1e-4 (seen with L_obs = 3, where the variance averages over three
+layers), ~1e-6 with L_obs = 8. The readings differ from each other by far more (asserted
+in `test_open_readings_match_the_reference`), so the tolerance still tells them apart.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ hf_models = pytest.importorskip("hf_models")
 F = torch.nn.functional
 
 L = 12
+RTOL = 1e-3  # see the module docstring
 
 
 @pytest.fixture(scope="module")
@@ -28,27 +32,45 @@ def pair():
     return hf_models.build_pair("llama_llama3rope_gqa4", seed=1, scale=0.3, layers=L)
 
 
-def reference_asl(attn, select_k, window, kernel, tau, l_min, l_obs, group):
-    """Algorithm 1-2 of ASL paper in numpy/torch over HF attention probabilities [L, H, n, n]."""
+def reference_asl(attn, select_k, window, kernel, tau, l_min, l_obs, group, span="algorithm",
+                  ddof=0, per_head=False, rank_from=0):
+    """Algorithm 1-2 of the ASL paper in numpy/torch over HF attention probabilities
+    [L, H, n, n], with the open readings: `span` "algorithm" (the last l_obs layers) or
+    "equation" (l_obs + 1), `ddof` of the rank variance, ranks `per_head` (one ranking per
+    KV head, variances averaged over heads and union tokens) or summed over heads, and the
+    first layer whose ranks count (`rank_from`; the initial variance is taken at the first
+    layer >= l_min whose window holds two layers)."""
     n = attn.shape[-1]
     ranks, curve, init_var, sel = [], [], None, None
+    width = l_obs + (span == "equation")
     for l in range(attn.shape[0]):
         s = attn[l, :, n - window:, : n - window].sum(1)  # [H, n - w]
         pooled = F.avg_pool1d(torch.tensor(s)[None], kernel, 1, kernel // 2)[0].numpy()
-        score = pooled.reshape(-1, group, n - window).sum(1).sum(0)  # group sum, head sum
-        r = np.empty(n - window)
-        r[np.argsort(-score, kind="stable")] = np.arange(1, n - window + 1)
+        per_kv = pooled.reshape(-1, group, n - window).sum(1)  # [K, n - w] group sums
+        score = per_kv.sum(0)  # head sum
+        rows = per_kv if per_head else score[None]
+        r = np.empty(rows.shape)
+        for h, x in enumerate(rows):
+            r[h, np.argsort(-x, kind="stable")] = np.arange(1, n - window + 1)
         ranks.append(r)
-        if l < l_min:
+        held = [j for j in range(max(0, l - width + 1), l + 1) if j >= rank_from]
+        if l < l_min or len(held) < 2:
             curve.append(np.nan)
             continue
-        R = np.stack(ranks[max(0, l - l_obs + 1): l + 1])
-        union = np.unique(np.concatenate([np.flatnonzero(x <= select_k - window) for x in R]))
-        var = np.mean(np.mean((R[:, union] - R[:, union].mean(0)) ** 2, axis=0))
-        init_var = var if l == l_min else init_var
+        R = np.stack([ranks[j] for j in held])  # [layers, K', n - w]
+        var_sum, count = 0.0, 0
+        for h in range(R.shape[1]):
+            union = np.unique(np.concatenate([np.flatnonzero(x <= select_k - window)
+                                              for x in R[:, h]]))
+            var_sum += np.var(R[:, h][:, union], axis=0, ddof=ddof).sum()
+            count += len(union)
+        var = var_sum / count
+        init_var = var if init_var is None else init_var
         curve.append(var / init_var)
         if var / init_var < tau:
-            top = np.flatnonzero(r <= select_k - window)
+            r_sum = np.empty(n - window)
+            r_sum[np.argsort(-score, kind="stable")] = np.arange(1, n - window + 1)
+            top = np.flatnonzero(r_sum <= select_k - window)
             sel = (l, np.sort(np.concatenate([top, np.arange(n - window, n)])))
             break
     return sel, np.array(curve), init_var
@@ -69,12 +91,12 @@ def test_reference_selection_layer_curve_and_kept_set(pair):
     m = methods.create("asl", **KW)
     seen_layers = set()
     for ids in PROMPTS:
-        ref_sel, ref_curve, ref_init = reference_asl(_hf_attn(model, ids), 40, 8, 7, 0.98, L // 3, 8,
-                                           cfg.group_size)
+        ref_sel, ref_curve, ref_init = reference_asl(_hf_attn(model, ids), 40, 8, 7, 0.98, L // 3,
+                                                     3, cfg.group_size)  # L_obs = round(8 L/32)
         g = engine.run(params, cfg, [ids], m, max_new_tokens=1, stop_ids=())
         curve = np.array(g.stats["relative_variance"][0][: len(ref_curve)])
-        np.testing.assert_allclose(curve, ref_curve, rtol=1e-4, equal_nan=True)
-        np.testing.assert_allclose(g.stats["init_var"][0], ref_init, rtol=1e-4)
+        np.testing.assert_allclose(curve, ref_curve, rtol=RTOL, equal_nan=True)
+        np.testing.assert_allclose(g.stats["init_var"][0], ref_init, rtol=RTOL)
         assert g.stats["tau_crossed"] == g.stats["selected"] == [ref_sel is not None]
         sel_layer = g.stats["selection_layer"][0]
         if ref_sel is None:
@@ -89,6 +111,52 @@ def test_reference_selection_layer_curve_and_kept_set(pair):
                 live = np.asarray(c.pos[layer, 0, h])[np.asarray(c.valid[layer, 0, h])]
                 assert list(live) == list(ref_sel[1]) + [len(ids)]  # + the decoded token
     assert len(seen_layers) >= 2, f"prompts should exit at different layers, saw {seen_layers}"
+
+
+@pytest.mark.parametrize("reading", [
+    dict(span="equation"), dict(variance="sample", l_obs=8), dict(head_ranking="per_head"),
+    dict(rank_from="l_min", l_obs=4), dict(l_obs=8)])
+def test_open_readings_match_the_reference(pair, reading):
+    """Each reading the paper leaves open, against the reference taking the same reading:
+    the relative-variance curve and the selection layer on three prompts. (Population and
+    sample variance give the same ratio once the window is full: they differ only while it
+    is cut, e.g. L_obs = 8 from L_min = 4.)"""
+    model, cfg, params = pair
+    kw = {**KW, "tau": 0.9, **reading}
+    m = methods.create("asl", **kw)
+    ref_kw = dict(span=kw.get("span", "algorithm"), ddof=int(kw.get("variance") == "sample"),
+                  per_head=kw.get("head_ranking") == "per_head",
+                  rank_from=L // 3 if kw.get("rank_from") == "l_min" else 0)
+    for ids in PROMPTS[:3]:
+        ref_sel, ref_curve, ref_init = reference_asl(
+            _hf_attn(model, ids), 40, 8, 7, kw["tau"], L // 3, kw.get("l_obs", 3),
+            cfg.group_size, **ref_kw)
+        g = engine.run(params, cfg, [ids], m, max_new_tokens=1, stop_ids=())
+        curve = np.array(g.stats["relative_variance"][0][: len(ref_curve)])
+        np.testing.assert_allclose(curve, ref_curve, rtol=RTOL, equal_nan=True)
+        assert g.stats["selection_layer"][0] == (-1 if ref_sel is None else ref_sel[0])
+        # the reading matters: the default reading's curve is far outside the tolerance
+        _, default, _ = reference_asl(_hf_attn(model, ids), 40, 8, 7, kw["tau"], L // 3, 3,
+                                      cfg.group_size)
+        both = ~np.isnan(default[: len(ref_curve)]) & ~np.isnan(ref_curve[: len(default)])
+        k = min(len(default), len(ref_curve))
+        assert np.max(np.abs(default[:k] - ref_curve[:k])[both[:k]] /
+                      np.abs(ref_curve[:k])[both[:k]], initial=0) > 10 * RTOL
+
+
+def test_depth_scaled_defaults():
+    """L_min = floor(L/3) and L_obs = round(8 L/32) on the bundled depth and on 32 layers;
+    select_k defaults to 1/16 of the longest prompt."""
+    from kvjax.config import ModelConfig
+
+    asl = methods.create("asl")
+    for layers, l_min, l_obs in ((12, 4, 3), (32, 10, 8), (4, 1, 2)):
+        cfg = ModelConfig(family="llama", vocab_size=97, hidden_size=64, intermediate_size=96,
+                          num_layers=layers, num_heads=8, num_kv_heads=2, head_dim=16,
+                          max_position_embeddings=512)
+        assert (asl.lmin(cfg), asl.lobs(cfg)) == (l_min, l_obs)
+    assert asl.for_prompt(2048).select_k == 128 and asl.for_prompt(1024).select_k == 64
+    assert asl.with_budget(96).for_prompt(2048).select_k == 96
 
 
 _COMPILES: list[str] = []
@@ -132,8 +200,9 @@ def test_invariants(pair, k, seed, variant):
         for h in range(cfg.num_kv_heads):
             live = np.asarray(c.pos[layer, 0, h])[np.asarray(c.valid[layer, 0, h])][:-1]  # prompt part
             assert list(live) == sorted(set(live))
-            if sel == -1 and variant == "asl_2pass":
-                assert len(live) == n  # no selection: the full cache
+            if sel == -1:  # no selection: SnapKV's k per head at every layer, window kept
+                assert len(live) == k and set(range(n - 8, n)) <= set(live)
+                assert g.stats["fallback_snapkv"][0]
             elif variant == "asl_2pass":
                 assert list(live) == list(range(k))  # re-encoded at positions 0..k-1
             else:
@@ -146,8 +215,12 @@ def test_tiny_tau_never_selects_and_full_before_equals_full(pair):
     full = engine.run(params, cfg, [ids], max_new_tokens=8, stop_ids=())
     never = engine.run(params, cfg, [ids], methods.create("asl_full_before", select_k=40, window=8,
                                                           tau=1e-9), max_new_tokens=8, stop_ids=())
-    assert never.stats["selection_layer"] == [-1] and never.tokens == full.tokens
+    assert never.stats["selection_layer"] == [-1]
     assert never.stats["selected"] == never.stats["tau_crossed"] == [False]
+    # no selection: the budget still holds, by ASL's own scores (SnapKV) at every layer
+    assert never.stats["fallback_snapkv"] == [True]
+    live = np.asarray(never.cache.valid[:, 0]).sum(-1) - 8  # decoded tokens apart
+    assert np.all(live == 40)
     fallback = engine.run(params, cfg, [ids], methods.create(
         "asl", select_k=40, window=8, tau=1e-9, fallback_layer=5), max_new_tokens=1, stop_ids=())
     assert fallback.stats["selection_layer"] == [5] and fallback.stats["selected"] == [True]

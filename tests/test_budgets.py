@@ -38,6 +38,48 @@ def test_pyramid_equals_kvpress(n, frac, L, window, beta):
         _kvpress_pyramid(budget, n, L, window, beta)
 
 
+def _kvpress_pyramid_at_ratio(r, n, L, window, beta):
+    kvpress = pytest.importorskip("kvpress")
+    press = kvpress.PyramidKVPress(compression_ratio=r, window_size=window, beta=beta)
+    return [press.get_layer_budget(types.SimpleNamespace(
+        layer_idx=layer, config=types.SimpleNamespace(num_hidden_layers=L)), n)
+        for layer in range(L)]
+
+
+def _pyramidkv_at_ratio(r, n, L, window, beta):
+    """The layer budgets `PyramidKV.with_ratio` runs with on an n-token prompt: its table's
+    row n (the table the prefill indexes with the prompt's length)."""
+    from kvjax import methods
+
+    m = methods.PyramidKV(window=window, beta=beta).with_ratio(r, n)
+    table = np.asarray(m.init_state(types.SimpleNamespace(num_layers=L), 1, n))
+    return table[min(n, table.shape[0] - 1)].tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(16, 8192), r=st.floats(0.0, 0.99), L=st.integers(1, 40),
+       window=st.integers(1, 64), beta=st.sampled_from([1, 2, 5, 10, 20]))
+def test_pyramid_at_ratio_equals_kvpress_at_any_n(n, r, L, window, beta):
+    """`--ratio r`: kvpress's schedule for every n and r, not only where n (1 - r) is an
+    integer (the average budget is the float n (1 - r), never its integer part)."""
+    assert _pyramidkv_at_ratio(r, n, L, window, beta) == \
+        _kvpress_pyramid_at_ratio(r, n, L, window, beta)
+
+
+def test_pyramid_at_ratio_keeps_the_float():
+    """n = 640, r = 0.8: n (1 - r) = 127.99999999999997. Its integer part (the old path)
+    kept 127 per head where kvpress keeps 128 (the SnapKV fallback at window 32)."""
+    n, r, L, w = 640, 0.8, 12, 32
+    theirs = _kvpress_pyramid_at_ratio(r, n, L, w, 20)
+    assert theirs == [128] * L
+    assert list(budgets.pyramid(int(n * (1 - r)), n, L, w, 20)) == [127] * L  # the old path
+    assert _pyramidkv_at_ratio(r, n, L, w, 20) == theirs
+    # in the pyramid regime too (window 2): layer 0 keeps 250 where the integer part gives 248
+    theirs = _kvpress_pyramid_at_ratio(r, n, L, 2, 20)
+    assert _pyramidkv_at_ratio(r, n, L, 2, 20) == theirs
+    assert list(budgets.pyramid(int(n * (1 - r)), n, L, 2, 20)) != theirs
+
+
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(64, 8192), budget=st.integers(8, 2048), L=st.integers(2, 40),
        window=st.integers(1, 32), beta=st.sampled_from([2, 5, 10, 20]))

@@ -101,8 +101,8 @@ def test_unsupported_architecture_and_rope():
                 num_hidden_layers=1, num_attention_heads=2)
     with pytest.raises(ValueError, match="gpt2"):
         ModelConfig.from_hf({**base, "model_type": "gpt2"})
-    with pytest.raises(ValueError, match="yarn"):
-        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'dynamic'"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
     with pytest.raises(ValueError, match="num_kv_heads"):
         ModelConfig.from_hf({**base, "num_key_value_heads": 3})
 
@@ -113,3 +113,71 @@ def test_missing_directory_and_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf_models.build("llama_mha_tied").config.to_dict()))
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_hf(tmp_path)
+
+
+# ---- a damaged checkpoint names the file and the tensor (docs/reliability.md) ----------------
+
+
+def _copy(saved, tmp_path):
+    for f in ("config.json", "model.safetensors"):
+        (tmp_path / f).write_bytes((saved / f).read_bytes())
+    return tmp_path
+
+
+def _last_tensor(f):
+    """(name, end offset in the file) of the tensor stored last in a safetensors file."""
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    meta = {k: v for k, v in json.loads(raw[8: 8 + n]).items() if k != "__metadata__"}
+    name = max(meta, key=lambda k: meta[k]["data_offsets"][1])
+    return name, 8 + n + meta[name]["data_offsets"][1]
+
+
+def test_truncated_file_names_file_and_tensor(saved, tmp_path):
+    d = _copy(saved, tmp_path)
+    f = d / "model.safetensors"
+    name, end = _last_tensor(f)
+    f.write_bytes(f.read_bytes()[: end - 8])  # the last tensor loses its last 8 bytes
+    with pytest.raises(ValueError, match=rf"model\.safetensors is truncated: tensor "
+                                         rf"{name.replace('.', '[.]')}"):
+        load_hf(d)
+    f.write_bytes(f.read_bytes()[:20])  # not even the header
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a complete safetensors"):
+        load_hf(d)
+
+
+def test_truncated_shard_through_the_index(saved, tmp_path):
+    """Read through model.safetensors.index.json (no header pass first): it was `cannot
+    reshape array of size 0`."""
+    tensors = load_file(str(saved / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2:]}
+    for f, ns in shards.items():
+        save_file({n: tensors[n] for n in ns}, str(tmp_path / f))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: f for f, ns in shards.items() for n in ns}}))
+    (tmp_path / "config.json").write_text((saved / "config.json").read_text())
+    b = tmp_path / "b.safetensors"
+    name, end = _last_tensor(b)
+    b.write_bytes(b.read_bytes()[: end - 4])
+    with pytest.raises(ValueError, match=rf"b\.safetensors is truncated: tensor "
+                                         rf"{name.replace('.', '[.]')}"):
+        load_hf(tmp_path)
+    b.unlink()
+    with pytest.raises(FileNotFoundError, match=r"shard b\.safetensors listed in .*index"):
+        load_hf(tmp_path)
+
+
+def test_config_errors_name_the_file_and_field(saved, tmp_path):
+    d = _copy(saved, tmp_path)
+    hf = json.loads((saved / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({k: v for k, v in hf.items()
+                                               if k != "hidden_size"}))
+    with pytest.raises(ValueError, match=r"config\.json: config field 'hidden_size' is missing"):
+        load_hf(d)
+    (d / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": "2"}))
+    with pytest.raises(ValueError, match=r"num_hidden_layers='2' must be a positive integer"):
+        load_hf(d)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json: Expecting"):
+        load_hf(d)

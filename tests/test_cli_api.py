@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import kvjax
@@ -77,7 +80,7 @@ def test_cli_run_writes_records(model_dir, tmp_path):
     rc = cli.main(["--model", str(model_dir), "--method", "full", "--task", "niah_single,passkey",
                    "--context", "128", "--samples", "3", "--batch-size", "2", "--output", str(out),
                    "--details", "--no-progress", "--scenario", "context_only"])
-    assert rc == 0
+    assert rc == 0, err
     recs = json.loads(out.read_text())["records"]
     assert [r["task"] for r in recs] == ["niah_single", "passkey"]
     for r in recs:
@@ -105,7 +108,7 @@ def test_cli_drops_executables_between_methods(model_dir, tmp_path, monkeypatch)
                    "48,64", "--task", "passkey", "--context", "128", "--samples", "1",
                    "--max-new-tokens", "2", "--output", str(tmp_path / "r.json"),
                    "--no-progress"])
-    assert rc == 0
+    assert rc == 0, err
     assert len(held) == 3 and held[1] > 0 and held[2] > 0  # full, then each budget
 
 
@@ -115,13 +118,374 @@ def test_output_json_is_strict():
     assert json.loads(json.dumps(out, allow_nan=False)) == {"rv": [None, 0.5, [None]], "n": 3}
 
 
-def test_cli_bad_input(model_dir):
+def test_cli_bad_input(model_dir, tmp_path):
+    """A process-level check: exit status 2, one `error:` line, no traceback; --debug
+    shows the traceback."""
     r = _run("--model", str(model_dir), "--method", "nope", "--context", "128")
-    assert r.returncode != 0 and "unknown method 'nope'" in r.stderr
-    r = _run("--ratio", "1.5")
-    assert r.returncode != 0 and "must be in [0, 1)" in r.stderr
-    r = _run("--model", str(model_dir), "--task", "nope")
-    assert r.returncode != 0 and "nope" in r.stderr
-    with pytest.raises(ValueError, match="context_length"):
-        cli.main(["--model", str(model_dir), "--task", "kv_retrieval", "--context", "16",
-                  "--samples", "1", "--no-progress"])
+    assert r.returncode == 2 and r.stderr == f"error: unknown method 'nope'; registered " \
+        f"methods: {', '.join(kvjax.methods.names())}\n"
+    r = _run("--model", str(model_dir), "--task", "kv_retrieval", "--context", "16",
+             "--samples", "1", "--no-progress")
+    assert r.returncode == 2 and r.stderr.startswith("error: task kv_retrieval at context "
+                                                     "16: context_length=16 is too small")
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    r = _run("--model", str(model_dir), "--task", "kv_retrieval", "--context", "16",
+             "--samples", "1", "--no-progress", "--debug")
+    assert r.returncode == 1 and "Traceback" in r.stderr and "ValueError: context_length" \
+        in r.stderr
+
+
+def _main(capsys, *argv) -> tuple[int, str]:
+    rc = cli.main([*argv, "--no-progress"])
+    return rc, capsys.readouterr().err
+
+
+def _error(capsys, *argv) -> str:
+    """The one line a refused command prints (exit status 2)."""
+    rc, err = _main(capsys, *argv)
+    lines = err.splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (rc, err)
+    return lines[0]
+
+
+# (arguments, what the one error line says); the model, task and context are added
+BAD = [
+    (["--method", "snapkv", "--budget", "64,1000"],
+     "snapkv --budget 1000 on passkey at context 128: budget=1000 exceeds the prompt length "
+     "128; allowed: 32 < budget <= 128"),
+    (["--method", "snapkv", "--set", "window=abc"],
+     "--set window=abc: method 'snapkv' takes window as an integer, got 'abc'"),
+    (["--method", "snapkv", "--set", "window=null"], "takes window as an integer, got 'null'"),
+    (["--method", "snapkv", "--set", "window=2.5"], "takes window as an integer, got '2.5'"),
+    (["--method", "snapkv", "--set", "window=true"], "takes window as an integer, got 'true'"),
+    (["--method", "pyramidkv", "--set", "beta=nan"], "takes beta as a finite number, got 'nan'"),
+    (["--method", "snapkv", "--set", "window"], "--set expects KEY=VALUE, got 'window'"),
+    (["--method", "snapkv", "--set", "window=8", "--set", "window=16"],
+     "--set window is given twice"),
+    (["--method", "full", "--set", "window=8"], "method 'full' has no parameter 'window'"),
+    (["--method", "snapkv", "--budget", "64", "--set", "budget=32"],
+     "--set budget=32 conflicts with --budget"),
+    (["--method", "snapkv", "--set", "window=500"],
+     "the 500 always-kept entries (the observation window) leave nothing to choose in a "
+     "prompt of 128 tokens"),
+    (["--method", "snapkv", "--ratio", "0.99"],
+     "snapkv --ratio 0.99 on passkey at context 128: budget=1 must be larger than the 32"),
+    (["--context", "-5"], "argument --context: -5 is outside the allowed range: an integer >= 1"),
+    (["--context", "5000"], "--context 5000 exceeds the model's max_position_embeddings=1024"),
+    (["--context", "1e3"], "argument --context: '1e3' is not an integer"),
+    (["--seed", "-1"], "argument --seed: -1 is outside the allowed range: an integer >= 0"),
+    (["--samples", "0"], "argument --samples: 0 is outside"),
+    (["--batch-size", "0"], "argument --batch-size: 0 is outside"),
+    (["--max-new-tokens", "-1"], "argument --max-new-tokens: -1 is outside"),
+    (["--ratio", "1"], "argument --ratio: 1 is outside the allowed range: a ratio in [0, 1)"),
+    (["--ratio", "nan"], "argument --ratio: nan is outside the allowed range"),
+    (["--ratio", "0.5", "--budget", "64"], "argument --budget: not allowed with argument"),
+    (["--method", ","], "argument --method: empty item in ','"),
+    (["--method", ""], "argument --method: empty item in ''"),
+    (["--method", "snapkv,,h2o"], "argument --method: empty item in 'snapkv,,h2o'"),
+    (["--budget", "64,64"], "argument --budget: '64' is listed twice"),
+    (["--task", "nope"], "unknown task 'nope'; known: common_words"),
+    (["--scenario", "both"], "argument --scenario: invalid choice: 'both'"),
+    (["--resume"], "--resume needs --output"),
+    (["--resume", "--overwrite", "--output", "x.json"], "--resume and --overwrite exclude"),
+    (["--kernels", "cuda"], "argument --kernels: invalid choice: 'cuda'"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_cli_refuses_with_one_line(model_dir, capsys, argv, message):
+    line = _error(capsys, "--model", str(model_dir), "--task", "passkey", "--context", "128",
+                  "--samples", "1", *argv)
+    assert message in line, line
+
+
+def test_cli_refuses_a_bad_output_before_any_work(model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "evaluate", lambda *a, **k: pytest.fail("work started"))
+    args = ["--model", str(model_dir), "--task", "passkey", "--context", "128", "--samples",
+            "1"]
+    line = _error(capsys, *args, "--output", str(tmp_path / "no" / "r.json"))
+    assert line == f"error: --output {tmp_path / 'no' / 'r.json'}: directory " \
+        f"{tmp_path / 'no'} does not exist"
+    line = _error(capsys, *args, "--output", str(tmp_path))
+    assert line == f"error: --output {tmp_path} is a directory; give a file path"
+    old = tmp_path / "r.json"
+    old.write_text("precious")
+    line = _error(capsys, *args, "--output", str(old))
+    assert "exists: --resume continues it, --overwrite replaces it" in line
+    assert old.read_text() == "precious"
+    line = _error(capsys, *args, "--output", str(old), "--resume")
+    assert "cannot be resumed" in line and old.read_text() == "precious"
+    # a later refusal (a budget over the prompt) leaves the file as it was, too
+    line = _error(capsys, *args, "--method", "snapkv", "--budget", "1000", "--output",
+                  str(old), "--overwrite")
+    assert "budget=1000 exceeds" in line and old.read_text() == "precious"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_cli_refuses_an_unwritable_output(model_dir, tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    line = _error(capsys, "--model", str(model_dir), "--output", str(ro / "r.json"))
+    assert "cannot write in" in line
+
+
+def test_cli_checkpoint_error_is_one_line(model_dir, tmp_path, capsys):
+    bad = tmp_path / "ckpt"
+    bad.mkdir()
+    hf = json.loads((model_dir / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({k: v for k, v in hf.items()
+                                                 if k != "hidden_size"}))
+    (bad / "model.safetensors").write_bytes((model_dir / "model.safetensors").read_bytes())
+    line = _error(capsys, "--model", str(bad))
+    assert line == f"error: {bad / 'config.json'}: config field 'hidden_size' is missing " \
+        "(required for every model)"
+
+
+def _sweep(model_dir, out, *extra):
+    return ["--model", str(model_dir), "--method", "full,streaming_llm", "--budget", "48,64",
+            "--task", "passkey", "--context", "128", "--samples", "1", "--max-new-tokens", "2",
+            "--output", str(out), *extra]
+
+
+def _failing_on(monkeypatch, n: int, exc):
+    """engine.run raises `exc` on its n-th call (1-based)."""
+    from kvjax import engine
+
+    calls, run = [], engine.run
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == n:
+            raise exc
+        return run(*a, **k)
+
+    monkeypatch.setattr(engine, "run", flaky)
+    return calls
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_cli_late_failure_keeps_records_and_resumes(model_dir, tmp_path, capsys, monkeypatch,
+                                                    suffix):
+    """The issue's `--budget 64,1000` lost record 1: a failure after some records keeps
+    them, says so in one line, and --resume runs only the rest."""
+    out = tmp_path / f"r{suffix}"
+    _failing_on(monkeypatch, 3, ValueError("disk on fire"))
+    line = _error(capsys, *_sweep(model_dir, out))
+    assert line == ("error: streaming_llm --budget 64 on passkey at context 128 failed: disk "
+                    f"on fire; 2 of 3 records finished and kept in {out}; the same command "
+                    "with --resume runs the rest")
+    from kvjax import engine, report
+
+    kept = report.load_records(out)
+    assert [(r["method"], r["budget"]) for r in kept] == [("full", None), ("streaming_llm", 48)]
+    assert not report.is_complete(out)
+    calls = _failing_on(monkeypatch, 0, None)
+    rc, err = _main(capsys, *_sweep(model_dir, out, "--resume"))
+    assert rc == 0 and "resume: 2 of 3 records already in" in err and len(calls) == 1
+    recs = report.load_records(out)
+    assert [(r["method"], r["budget"]) for r in recs] == [
+        ("full", None), ("streaming_llm", 48), ("streaming_llm", 64)]
+    assert recs[:2] == kept
+    if suffix == ".json":
+        assert report.is_complete(out)
+    calls = _failing_on(monkeypatch, 0, None)  # nothing left: nothing runs
+    assert _main(capsys, *_sweep(model_dir, out, "--resume"))[0] == 0 and not calls
+    assert report.load_records(out) == recs
+    del engine
+
+
+def test_cli_ctrl_c_keeps_records_in_process(model_dir, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "r.json"
+    _failing_on(monkeypatch, 2, KeyboardInterrupt())
+    rc, err = _main(capsys, *_sweep(model_dir, out))
+    assert rc == 130 and err.splitlines()[-1] == (
+        f"error: interrupted; 1 of 3 records finished and kept in {out}; the same command "
+        "with --resume runs the rest")
+    from kvjax import report
+
+    assert [r["method"] for r in report.load_records(out)] == ["full"]
+
+
+def test_cli_sigint_keeps_records(model_dir, tmp_path):
+    """The real Ctrl-C: SIGINT to a running sweep once its first record is on disk."""
+    import signal
+    import time
+
+    out = tmp_path / "r.jsonl"
+    args = _sweep(model_dir, out, "--no-progress")
+    args[args.index("48,64")] = ",".join(str(b) for b in range(40, 120, 8))
+    p = subprocess.Popen([sys.executable, "-m", "kvjax.run", *args], stderr=subprocess.PIPE,
+                         text=True)
+    t0 = time.time()
+    while not (out.exists() and out.read_text().count("\n") >= 2):
+        assert p.poll() is None and time.time() - t0 < 120, p.stderr.read()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    err = p.communicate(timeout=60)[1]
+    from kvjax import report
+
+    n = len(report.load_records(out))
+    assert p.returncode == 130 and "Traceback" not in err, (p.returncode, err)
+    assert err.splitlines()[-1] == (f"error: interrupted; {n} of 11 records finished and kept "
+                                    f"in {out}; the same command with --resume runs the rest"), err
+    assert 2 <= n < 11
+
+
+def test_cli_overwrite(model_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    argv = ["--model", str(model_dir), "--task", "passkey", "--context", "128", "--samples",
+            "1", "--max-new-tokens", "1", "--output", str(out)]
+    assert _main(capsys, *argv)[0] == 0
+    first = json.loads(out.read_text())
+    assert first["complete"] is True and len(first["records"]) == 1
+    assert _error(capsys, *argv).endswith("--overwrite replaces it")
+    assert _main(capsys, *argv, "--overwrite", "--seed", "3")[0] == 0
+    recs = json.loads(out.read_text())["records"]
+    assert len(recs) == 1 and recs[0]["seed"] == 3
+
+
+def test_cli_lists_are_stripped(model_dir, tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    rc, err = _main(capsys, "--model", str(model_dir), "--method", "snapkv, h2o ",
+                  "--budget", " 48 ", "--task", "passkey", "--context", " 128",
+                  "--samples", "1", "--max-new-tokens", "1", "--output", str(out))
+    from kvjax import report
+
+    assert rc == 0, err
+    assert [(r["method"], r["budget"]) for r in report.load_records(out)] == [
+        ("snapkv", 48), ("h2o", 48)]
+
+
+def test_cli_max_new_tokens_zero_is_zero(model_dir, tmp_path, capsys):
+    """It was `args.max_new_tokens or <the task's>`: 0 generated the task's default."""
+    out = tmp_path / "r.json"
+    base = ["--model", str(model_dir), "--task", "passkey", "--context", "128", "--samples",
+            "2", "--details", "--output", str(out)]
+    assert _main(capsys, *base, "--max-new-tokens", "0")[0] == 0
+    rec = json.loads(out.read_text())["records"][0]
+    assert rec["max_new_tokens"] == 0 and rec["tpot_s"] is None
+    assert [d["prediction"] for d in rec["details"]] == ["", ""]
+    assert _main(capsys, *base, "--overwrite")[0] == 0  # the task's default: it generates
+    rec = json.loads(out.read_text())["records"][0]
+    assert rec["max_new_tokens"] > 0 and all(d["prediction"] for d in rec["details"])
+
+
+def test_cli_records_the_budget_used(model_dir, tmp_path, capsys):
+    """`--set budget=40` ran at 40 but recorded `"budget": null`; no --budget records the
+    configured default."""
+    out = tmp_path / "r.jsonl"
+    base = ["--model", str(model_dir), "--task", "passkey", "--context", "128", "--samples",
+            "1", "--max-new-tokens", "1"]
+    assert _main(capsys, *base, "--method", "snapkv", "--set", "budget=40", "--output",
+                 str(out))[0] == 0
+    assert _main(capsys, *base, "--method", "snapkv,critical_snapkv", "--output", str(out),
+                 "--resume")[0] == 0
+    from kvjax import report
+
+    recs = report.load_records(out)
+    assert [(r["method"], r["budget"], r["method_params"]["budget"] if "budget" in
+             r["method_params"] else r["method_params"]["base"]["budget"]) for r in recs] == [
+        ("snapkv", 40, 40), ("snapkv", 128, 128), ("critical_snapkv", 128, 128)]
+    assert recs[0]["kv_fraction"] == pytest.approx(40 / 128)
+    # the ops that ran, each on xla (CPU, auto): window scores only where something was
+    # scored, not where the budget covers the whole prompt
+    assert ["window_scores" in r["kernels"] for r in recs] == [True, False, False]
+    assert all(set(r["kernels"].values()) == {"xla"} for r in recs if r["kernels"])
+    assert all(r["dtype"] == "float32" for r in recs)
+
+
+def test_cli_ratio_is_of_the_compressed_part(model_dir, tmp_path, capsys):
+    """Context-only, `--ratio r` removes the fraction r of the context (it counted the
+    question too: 0.5 kept 54% of the context, and 0 crashed); question-aware, of the
+    prompt. kvpress's int(n (1 - r))."""
+    from kvjax import report, tasks
+
+    model = kvjax.load(model_dir)
+    s = tasks.generate("passkey", context_length=128, n=1, seed=0)[0]
+    n_ctx, n_prompt = len(model.encode(s.context)), len(model.encode(s.prompt))
+    assert n_prompt == 128 and n_ctx < n_prompt
+    out = tmp_path / "r.jsonl"
+    for scenario in ("context_only", "question_aware"):
+        assert _main(capsys, "--model", str(model_dir), "--method", "snapkv", "--ratio",
+                     "0,0.5", "--task", "passkey", "--context", "128", "--samples", "1",
+                     "--max-new-tokens", "1", "--scenario", scenario, "--output", str(out),
+                     "--resume")[0] == 0
+    got = [(r["scenario"], r["ratio"], r["budget"], r["kv_bytes_live"] / r["kv_bytes_full"])
+           for r in report.load_records(out)]
+    q = n_prompt - n_ctx
+    assert got == [("context_only", 0.0, n_ctx, 1.0),
+                   ("context_only", 0.5, n_ctx // 2, (n_ctx // 2 + q) / n_prompt),
+                   ("question_aware", 0.0, 128, 1.0), ("question_aware", 0.5, 64, 0.5)]
+
+
+def test_cli_resume_refuses_records_of_other_weights(model_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    argv = ["--model", str(model_dir), "--task", "passkey", "--context", "128", "--samples",
+            "1", "--max-new-tokens", "1", "--output", str(out)]
+    assert _main(capsys, *argv)[0] == 0
+    data = json.loads(out.read_text())
+    data["records"][0]["model_weights"]["sha256"] = "ab" * 32
+    data["complete"] = False
+    out.write_text(json.dumps(data))
+    line = _error(capsys, *argv, "--resume")
+    assert f"--output {out} holds records of other weights ['{'ab' * 32}']" in line
+    assert json.loads(out.read_text()) == data
+
+
+def test_ratio_batches_follow_the_compressed_length():
+    """kvpress takes n (1 - r) of each prompt: prompts of other lengths get other budgets,
+    so a batch holds one method (one budget) only."""
+    from kvjax import methods
+
+    a, b = methods.create("snapkv").with_ratio(0.5, 100), methods.create("snapkv").with_ratio(
+        0.5, 90)
+    assert (a.budget, b.budget) == (50, 45)
+    assert cli._batches([a, b, a, a], 2) == [(a, [0, 2]), (a, [3]), (b, [1])]
+
+
+def test_merge_kernels():
+    assert cli.merge_kernels([{"window_scores": "xla"}, {"window_scores": "pallas_tpu",
+                                                          "compact": "xla"}, {}]) == {
+        "compact": "xla", "window_scores": "pallas_tpu, xla"}
+
+
+# ---- the Python API refuses what it cannot run ------------------------------------------------
+
+
+def test_api_refuses_bad_ids_and_settings(model_dir):
+    model = kvjax.load(model_dir)
+    with pytest.raises(ValueError, match=r"token id 99999 is outside the model's vocabulary "
+                                         r"\[0, 1408\)"):
+        kvjax.generate(model, [1, 5, 99999], max_new_tokens=1)
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0, got nan"):
+        kvjax.generate(model, [1, 5, 6], max_new_tokens=1, temperature=float("nan"))
+    with pytest.raises(TypeError, match=r"element 5\.5 of type float"):
+        kvjax.generate(model, [1, 5.5, 6], max_new_tokens=1)
+    with pytest.raises(ValueError, match="2 prompts but 1 questions"):
+        kvjax.compress(model, ["the sky is blue .", "the sea is red ."], question="what ?")
+    with pytest.raises(TypeError, match="method must be a kvjax Method or a registered"):
+        kvjax.generate(model, [1, 5, 6], method=3, max_new_tokens=1)
+    with pytest.raises(ValueError, match="unknown method 'snap'"):
+        kvjax.generate(model, [1, 5, 6], method="snap", max_new_tokens=1)
+
+
+def test_api_takes_numpy_ids_and_method_names(model_dir):
+    """A list of numpy integers was taken for a batch (and crashed); a method given by name
+    failed with an AttributeError."""
+    from kvjax import tasks
+
+    model = kvjax.load(model_dir)
+    ids = model.encode(tasks.generate("passkey", context_length=256, n=1)[0].prompt)
+    want = kvjax.generate(model, ids, max_new_tokens=3, stop_ids=())
+    assert isinstance(want.text, str)
+    for same in ([np.int64(t) for t in ids], np.asarray(ids, np.int32), jnp.asarray(ids)):
+        assert kvjax.generate(model, same, max_new_tokens=3, stop_ids=()).tokens == want.tokens
+    batch = kvjax.generate(model, np.asarray([ids, ids]), max_new_tokens=3, stop_ids=())
+    assert batch.tokens == [want.tokens, want.tokens]
+    by_name = kvjax.generate(model, ids, method="snapkv", max_new_tokens=3, stop_ids=())
+    by_obj = kvjax.generate(model, ids, method=kvjax.methods.create("snapkv"),
+                            max_new_tokens=3, stop_ids=())
+    assert by_name.tokens == by_obj.tokens
+    assert by_name.stats["kernels"]["window_scores"] == "xla"  # it did compress

@@ -238,6 +238,30 @@ def test_pyramidkv(pair, budget):
     assert err < TOL
 
 
+def test_pyramidkv_at_a_ratio(pair):
+    """`--ratio` where n (1 - r) is not an integer (128 x 0.4 = 51.2): kvpress keeps the
+    float through the schedule, and so does `PyramidKV.with_ratio` -- layer budgets, kept
+    sets and logits as kvpress's; the integer budget 51 gives other layer budgets."""
+    fam, model, cfg, params, ctx, q = pair
+    n, w, r = ctx.shape[1], 2, 0.6
+    press = kvpress.PyramidKVPress(compression_ratio=r, window_size=w, kernel_size=5, beta=20)
+    want = [press.get_layer_budget(model.model.layers[i].self_attn, n)
+            for i in range(cfg.num_layers)]
+    base = methods.PyramidKV(window=w, kernel=5, pooling="avg", beta=20)
+    assert list(budgets.pyramid(int(n * (1 - r)), n, cfg.num_layers, w, 20)) != want
+    method = base.with_ratio(r, n)
+    theirs, ref = _press_run(model, press, ctx, q[:, :1], "sdpa")
+    ours, logits, stats = _ours(cfg, params, method, ctx, q[:, :1])
+    assert [len(layer[0]) for layer in ours] == want
+    assert np.asarray(stats["layer_budgets"])[0, :, 0].tolist() == want
+    ties = _compare_sets(f"{fam}/pyramidkv r={r}", ours, theirs,
+                         lambda: _our_scores(cfg, params, method, ctx))
+    err = np.abs(logits - ref).max()
+    print(f"{fam}/pyramidkv r={r}: layer budgets {want}, kept sets equal ({ties} tie swaps); "
+          f"logits max abs diff {err:.2e}")
+    assert err < TOL
+
+
 def test_budget_equal_context_is_full(pair):
     """SnapKV keeping every entry (budget = n) gives exactly the uncompressed logits."""
     fam, model, cfg, params, ctx, q = pair

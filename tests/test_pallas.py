@@ -351,6 +351,18 @@ def test_value_norms_reference():
     np.testing.assert_allclose(out, critical.projected_value_norms(v, o, 16), rtol=1e-6)
 
 
+
+def test_value_norms_reference_bf16_sums_exact_products():
+    """bf16 inputs multiply as they are with fp32 accumulation: the products of two bf16
+    values are exact in fp32, so the result equals upcasting first and multiplying at fp32
+    HIGHEST, up to the order of the fp32 sums (rtol 1e-5, about 100 fp32 ulps)."""
+    v, o = norms_case(3, 1, 2, 4, 40, 8, 96, jnp.bfloat16)
+    out = pallas.value_norms(v, o, block=16, implementation="xla")
+    up = pallas.value_norms(v.astype(jnp.float32), o.astype(jnp.float32), block=16,
+                            implementation="xla")
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, up, rtol=1e-5)
+
 # ---- lowering for the devices (no device needed) -----------------------------------------
 
 def lower(fn, platform, *shapes):
@@ -401,6 +413,47 @@ def test_window_scores_lowers_fp32():
     lower(fn(scores_tpu), "tpu", *shapes)
     lower(fn(scores_gpu), "cuda", *shapes)
 
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("name", ["snapkv", "critical_snapkv", "asl", "lava"])
+def test_engine_programs_lower(name, platform):
+    """The engine's compiled prefill and decode, with every kernel op on the platform's
+    Pallas kernel, lower for that platform (bf16, head dim 128): what a kernel lowers to
+    alone it must also lower to inside the programs that call it. The prompt's attention
+    stays on xla: cuDNN's lowering looks for a local cuDNN."""
+    from kvjax import methods
+    from kvjax.config import ModelConfig
+    from kvjax.engine import steps
+    from kvjax.engine.sampling import Sampling
+    from kvjax.train import init_params
+
+    cfg = ModelConfig(family="llama", vocab_size=256, hidden_size=256, intermediate_size=256,
+                      num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128,
+                      max_position_embeddings=2048, bos_token_id=1, eos_token_ids=(2,))
+    params = jax.eval_shape(lambda: jax.tree.map(lambda x: x.astype(BF),
+                                                 init_params(cfg, jax.random.PRNGKey(0))))
+    impl = {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}[platform]
+    kern = pallas.Kernels(**{op: impl for op in pallas.OPS}, prefill_attention="xla")
+    method = methods.create(name).with_budget(256)
+    T = 1024
+    cap = method.decode_capacity(method.cache_slots(T, cfg), 8, 0)
+    tok, val = jax.ShapeDtypeStruct((1, T), jnp.int32), jax.ShapeDtypeStruct((1, T), bool)
+
+    def prefill(p, t, v):
+        return steps.prefill(p, t, v, cfg=cfg, method=method, capacity=cap, kernels=kern)
+
+    def decode(p, c, lg, r, st):
+        return steps.decode(p, c, lg, r, st, cfg=cfg, method=method, max_new=8,
+                            sampling=Sampling(), stop_ids=(2,), kernels=kern)
+
+    target = "tpu_custom_call" if platform == "tpu" else "mosaic_gpu"
+    exp = jax.export.export(jax.jit(prefill), platforms=[platform])(params, tok, val)
+    assert target in exp.mlir_module()
+    logits, cache, state, _ = jax.eval_shape(prefill, params, tok, val)
+    exp = jax.export.export(jax.jit(decode), platforms=[platform])(
+        params, cache, logits, jax.ShapeDtypeStruct((2,), jnp.uint32), state)
+    assert target in exp.mlir_module()
 
 # ---- dispatch ----------------------------------------------------------------------------
 
@@ -512,3 +565,34 @@ def test_methods_keep_the_same_entries_on_the_bundled_model(name, overrides):
     tokens = jnp.asarray([model.encode(s.prompt)])
     valid = jnp.ones(tokens.shape, bool)
     assert_same_kept(name, overrides, model.cfg, model.params, tokens, valid)
+
+
+def test_auto_falls_back_to_xla_when_a_kernel_fails_to_compile(monkeypatch):
+    """A Pallas kernel `auto` picked that fails to lower on the running backend (here the
+    Mosaic TPU compaction, not interpreted, on CPU) becomes the xla reference with one
+    warning naming the op; the run's tokens are xla's; the same kernel named explicitly
+    raises."""
+    from kvjax import engine, methods
+    from kvjax.config import ModelConfig
+    from kvjax.pallas import dispatch
+    from kvjax.train import init_params
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("forces a TPU kernel onto the CPU backend")
+    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                      max_position_embeddings=512, bos_token_id=1, eos_token_ids=(2,))
+    params = init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+    ids = [list(np.random.default_rng(0).integers(3, 64, 150))]
+    m = methods.create("snapkv", budget=48, window=8)
+    want = engine.run(params, cfg, ids, m, max_new_tokens=4, stop_ids=())
+    monkeypatch.setattr(dispatch, "backend_pallas", lambda: "pallas_tpu")
+    monkeypatch.setattr(dispatch, "MEASURED_FASTER", {("tpu", "compact")})
+    assert pallas.Kernels().resolved()["compact"] == "pallas_tpu"
+    engine.clear_compiled()
+    with pytest.warns(RuntimeWarning, match="compact"):
+        got = engine.run(params, cfg, ids, m, max_new_tokens=4, stop_ids=())
+    assert got.tokens == want.tokens and got.stats["kernels"]["compact"] == "xla"
+    with pytest.raises(Exception):
+        engine.run(params, cfg, ids, m, max_new_tokens=4, stop_ids=(),
+                   kernels=pallas.Kernels(compact="pallas_tpu"))

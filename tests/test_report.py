@@ -52,3 +52,59 @@ def test_run_once_never_reuses_records_of_other_weights(tmp_path):
     now = weights_sha256(model_dir("tiny-retrieval"))
     old.write_text(json.dumps({"records": [_weighed(now)]}))
     assert report.run_once(old, ["--model", "tiny-retrieval"], tmp_path) == old  # reused
+
+
+def test_load_records_reads_json_and_json_lines(tmp_path):
+    recs = [_rec("snapkv", "passkey", 0.5), _rec("full", "passkey", 1.0)]
+    old = tmp_path / "old.json"  # as every file under docs/results
+    old.write_text(json.dumps({"records": recs, "wall_s": 3.0, "args": {}}))
+    lines = tmp_path / "new.jsonl"
+    lines.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps(recs[0]) + "\n")
+    assert report.load_records(old) == recs == report.load_records(lines)
+    assert report.load_records(one, old) == [recs[0], *recs]
+    lines.write_text(json.dumps(recs[0]) + "\n{\"method\": \"sna\n")
+    with pytest.raises(ValueError, match=r"new\.jsonl:2 is not a JSON record"):
+        report.load_records(lines)
+
+
+def test_results_json_files_still_load():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).parent.parent / "docs" / "results").rglob("*.json"))
+    assert files
+    for f in files:
+        assert report.load_records(f), f
+
+
+def test_run_once_resumes_an_incomplete_output(tmp_path, monkeypatch):
+    """An interrupted sweep keeps its finished records (`"complete": false`): the results
+    scripts resume it instead of taking it for finished."""
+    import subprocess
+
+    from kvjax.api import model_dir
+    from kvjax.models.checkpoint import weights_sha256
+
+    now = weights_sha256(model_dir("tiny-retrieval"))
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **k: calls.append(cmd))
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"records": [_weighed(now)], "complete": False}))
+    report.run_once(out, ["--model", "tiny-retrieval"], tmp_path)
+    assert calls[-1][-3:] == ["--output", str(out), "--resume"]
+    out.write_text(json.dumps({"records": [_weighed(now)], "complete": True}))
+    report.run_once(out, ["--model", "tiny-retrieval"], tmp_path)
+    assert len(calls) == 1  # complete: not run again
+    report.run_once(tmp_path / "new.json", ["--model", "tiny-retrieval"], tmp_path)
+    assert calls[-1][-2:] == ["--output", str(tmp_path / "new.json")]
+
+
+def test_wilson_interval():
+    # textbook values (Wilson 1927; e.g. Newcombe 1998, Table I): 0/10 -> [0, 0.278],
+    # 10/10 -> [0.722, 1], 5/10 -> [0.237, 0.763]
+    assert report.wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert report.wilson(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
+    assert report.wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    with pytest.raises(ValueError, match="n must be positive"):
+        report.wilson(0, 0)

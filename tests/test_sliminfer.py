@@ -54,8 +54,11 @@ def pair():
 
 
 def slim(**kw):
+    """The tests' SlimInfer: the lagged decode timing and the forced tail blocks (the paper's
+    timing and forcing have their own test, `test_reference_decode_paper_timing`)."""
     return methods.create("sliminfer", **{**dict(layers=LAYERS, keep=KEEP, block=BS, unit=UNIT,
-                                                 window=W), **kw})
+                                                 window=W, decode_forced="sink_and_tail",
+                                                 decode_timing="lagged"), **kw})
 
 
 def prompt(i, n=None):
@@ -193,44 +196,53 @@ def _ref_prefill(ref, ids):
     return out, kv, aux, rings
 
 
-def ref_decode(ref, ids, tokens, gamma, restrict=False):
+def ref_decode(ref, ids, tokens, gamma, restrict=False, timing="lagged", tail=True):
     """SlimInfer decode replayed with the given tokens: the active sets used at each step
-    (per slim stage) and whether each decision was a near-tie."""
+    (per slim stage) and whether each decision was a near-tie. `timing` "lagged": the
+    candidates computed after step t decide step t+1; "paper": stage i's candidates are
+    scored right after pruning layer p_i with the current token's query, and decide that
+    token's stage-i blocks. `tail`: the last w prompt tokens' blocks are forced too."""
     n = len(ids)
     span = blocks_of(n)
-    forced = core.forced_block_ids(n, BS, W, 1)
+    forced = core.forced_block_ids(n, BS, W, 1) if tail else {0}
     stages = [(0, LAYERS[0] + 1)] + [(a + 1, b + 1) for a, b in zip(LAYERS, LAYERS[1:] + (L - 1,))]
     pre, kv, aux, rings = ref_prefill(ref, ids)
     active = [set(kept) for _, kept in pre]
     gen = {l: [] for l in range(L)}  # (k [K,1,Dh], v, pos)
 
-    def candidates():
-        cands, ties = [], []
-        for i, p in enumerate(LAYERS):
-            elig = set(kv[p + 1]) if restrict else set(kv[p])
-            ql = torch.stack(rings[i][-W:]).numpy()
-            sc = eq2(ql, {b: kv[p][b][0].numpy() for b in elig}, n, ref.G)
-            c = choose(sc, KEEP[i] // BS, forced & elig)
-            cands.append(set(c))
-            ties.append(near_tie(sc, c, forced))
-        return cands, ties
+    def candidate(i):
+        p = LAYERS[i]
+        elig = set(kv[p + 1]) if restrict else set(kv[p])
+        ql = torch.stack(rings[i][-W:]).numpy()
+        sc = eq2(ql, {b: kv[p][b][0].numpy() for b in elig}, n, ref.G)
+        c = choose(sc, KEEP[i] // BS, forced & elig)
+        return set(c), near_tie(sc, c, forced)
+
+    def decide(i, c):
+        """Algorithm 1 for stage i: the blocks revived there (no KV at its layers yet)."""
+        if len(c & active[i]) / len(c) >= gamma:
+            return set()
+        revived = {b for b in c - active[i] if b not in kv[stages[i + 1][0]]}
+        active[i] = set(c)
+        return revived
 
     history, tie_at = [], None
-    cands, ties = candidates()
+    cands = [candidate(i) for i in range(len(LAYERS))]
     with torch.no_grad():
         for t, tok in enumerate(tokens):
             revive = [set() for _ in LAYERS]
-            for i in range(len(LAYERS)):
-                c = cands[i]
-                if len(c & active[i]) / len(c) < gamma:
-                    revive[i] = {b for b in c - active[i] if b not in kv[stages[i + 1][0]]}
-                    active[i] = set(c)
-            history.append([sorted(a) for a in active])
-            if tie_at is None and any(ties):
-                tie_at = t
+            if timing == "lagged":
+                for i, (c, tie) in enumerate(cands):
+                    revive[i] = decide(i, c)
+                    tie_at = t if tie_at is None and tie else tie_at
+                history.append([sorted(a) for a in active])
             pos_t = n + t
             h = ref.m.model.embed_tokens(torch.tensor([[tok]]))
             for s, (a, b) in enumerate(stages):
+                if s and timing == "paper":  # stage s's blocks, chosen at p_s for this token
+                    c, tie = candidate(s - 1)
+                    revive[s - 1] = decide(s - 1, c)
+                    tie_at = t if tie_at is None and tie else tie_at
                 blocks = sorted(span) if s == 0 else sorted(active[s - 1])
                 hr = None
                 if s and revive[s - 1]:
@@ -258,7 +270,10 @@ def ref_decode(ref, ids, tokens, gamma, restrict=False):
                 if hr is not None and s < len(LAYERS):
                     for x in rb:
                         aux[s][x] = hr[:, [rpos.index(p) for p in span[x]]]
-            cands, ties = candidates()
+            if timing == "paper":
+                history.append([sorted(a) for a in active])
+            else:
+                cands = [candidate(i) for i in range(len(LAYERS))]
     return history, tie_at
 
 
@@ -294,6 +309,27 @@ def test_reference_decode_active_sets(pair, runs):
     swaps = sum(sum(s) for s in g.stats["swaps"])
     assert compared >= 2 * NEW and swaps > 0 and sum(g.stats["blocks_revived"]) > 0, (
         compared, swaps)
+
+
+def test_reference_decode_paper_timing(pair):
+    """The defaults (the paper's): the blocks of stage i are chosen right after pruning
+    layer p_i with the current token's query window, and only block 0 is forced; against
+    the reference replaying the same timing, revival included."""
+    model, cfg, params = pair
+    ref = Ref(model, cfg)
+    m = methods.create("sliminfer", layers=LAYERS, keep=KEEP, block=BS, unit=UNIT, window=W)
+    assert (m.decode_timing, m.decode_forced) == ("paper", "sink")
+    g = engine.run(params, cfg, [prompt(i) for i in range(3)], m, max_new_tokens=NEW,
+                   stop_ids=())
+    compared = 0
+    for i in range(3):
+        hist, tie_at = ref_decode(ref, prompt(i), g.tokens[i], gamma=0.9, timing="paper",
+                                  tail=False)
+        got = [[sorted(int(b) for b in a[i] if b >= 0) for a in step] for step in g.state.history]
+        upto = len(hist) if tie_at is None else tie_at
+        assert got[:upto] == hist[:upto], (i, upto)
+        compared += upto
+    assert compared >= 2 * NEW and sum(sum(s) for s in g.stats["swaps"]) > 0, compared
 
 
 def test_invariants(pair, runs):
@@ -499,7 +535,16 @@ def test_paper_schedule_scaling():
     assert m.plan(cfg, 4096).blocks == (16, 8)
     assert m.plan(dataclasses.replace(cfg, num_layers=32), 32768).layers == (10, 20, 30)
     assert m.plan(dataclasses.replace(cfg, num_layers=32), 32768).blocks == (128, 64, 32)
-    assert methods.create("sliminfer").with_budget(128).keep == (512, 256, 128)
+    # `--budget B`: the last stage that exists keeps B tokens, the earlier ones 2B, 4B, ...
+    b = methods.create("sliminfer").with_budget(128)
+    assert b.plan(cfg, 2048).blocks == (4, 2)  # 12 layers: 256 then 128 tokens
+    assert b.plan(dataclasses.replace(cfg, num_layers=32), 32768).blocks == (8, 4, 2)
+    assert methods.create("sliminfer").with_budget(512).plan(cfg, 2048).blocks == (16, 8)
+    # a floor of 3 blocks on the smallest stage keeps the 2:1 ratio to the stage before it
+    assert m.plan(cfg, 640).blocks == (6, 3)
+    with pytest.raises(ValueError, match="budget=64 is the last stage's kept tokens"):
+        b.with_budget(64).validate(2000, cfg)
+    b.with_budget(192).validate(2000, cfg)  # the forced blocks: the sink and the tail's one
 
 
 def hf_cfg_12():

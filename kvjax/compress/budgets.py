@@ -13,7 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from kvjax.compress.heads import Heads, flat_top_mask
 from kvjax.compress.selection import mark
+
+
+def length_scale(n: int) -> int:
+    """The prompt length a length-proportional default is computed from: n rounded down to
+    one of four lengths per octave (the engine's bucket grid, rounded the other way), so
+    prompts of nearby lengths resolve to one value and share one compilation."""
+    if n <= 16:
+        return n
+    step = 2 ** (n.bit_length() - 3)  # a quarter of the octave [2^k, 2^(k+1))
+    return n // step * step
 
 
 def uniform(budget: int, num_layers: int) -> np.ndarray:
@@ -21,7 +32,7 @@ def uniform(budget: int, num_layers: int) -> np.ndarray:
     return np.full((num_layers,), budget, np.int32)
 
 
-def pyramid(budget: int, n: int, num_layers: int, window: int, beta: float) -> np.ndarray:
+def pyramid(budget: float, n: int, num_layers: int, window: int, beta: float) -> np.ndarray:
     """[L] PyramidKV's linear schedule, exactly kvpress `PyramidKVPress.get_layer_budget`.
 
     PyramidKV (Cai et al. 2024; written out as LAVa paper Eq. 21): the last layer keeps
@@ -35,23 +46,28 @@ def pyramid(budget: int, n: int, num_layers: int, window: int, beta: float) -> n
         layer l keeps round(max - l * (max - min) / (L - 1))      (round half to even)
 
     `n` is the prompt length. Python floats and `round`, as kvpress, so that the integers
-    agree with it bit for bit.
+    agree with it bit for bit. `budget` may be a float: kvpress's `B = n (1 - ratio)` is one
+    (640 x (1 - 0.8) = 127.99999999999997), and rounding it to an integer first would keep
+    one entry fewer than kvpress in some layers (`PyramidKV.with_ratio` passes it as is).
     """
     if beta < 1:
         raise ValueError(f"beta={beta} must be >= 1")
     b = float(budget)
-    min_num = b / beta
-    max_num = b * 2 - min_num
+    # kvpress's B is (window + n (1 - r)) - window: the same float as b for an integer
+    # budget, possibly not for a fractional one, so it is computed the same way here
+    span = (window + b) - window
+    min_num = span / beta
+    max_num = span * 2 - min_num
     if max_num >= n - window:
         max_num = n - window
-        min_num = b * 2 - max_num
+        min_num = span * 2 - max_num
     if not (n >= max_num >= min_num >= window):
         return np.full((num_layers,), max(1, round(b)), np.int32)
     steps = (max_num - min_num) / (num_layers - 1) if num_layers > 1 else 0.0
     return np.array([round(max_num - l * steps) for l in range(num_layers)], np.int32)
 
 
-def pyramid_table(budget: int, n_max: int, num_layers: int, window: int, beta: float
+def pyramid_table(budget: float, n_max: int, num_layers: int, window: int, beta: float
                   ) -> np.ndarray:
     """[N + 1, L] `pyramid` for every prompt length n = 0..N, where N = min(n_max, 2B + w + 1).
 
@@ -73,6 +89,7 @@ def flattened_heads(
     max_per_head: int,
     max_safe: int,
     with_safe: bool = False,
+    heads: Heads = Heads(),
 ):
     """AdaKV's flattened selection (kvpress `AdaKVPress.compress` semantics).
 
@@ -86,9 +103,12 @@ def flattened_heads(
     its window `max + 1`, which is above every prefix score, so the two agree. Note that
     the safeguard is then spent on the window whenever `n_safe <= window` (as in kvpress).
     Returns the keep mask (per-head counts are its sums; they add up to `K * b`), and with
-    `with_safe` also the safeguard mask (the top `n_safe` of every head).
+    `with_safe` also the safeguard mask (the top `n_safe` of every head). `heads`: the
+    scores are one block of the heads (inside the engine's shard_map): the safeguard is
+    per head, the top-k across every block (`kvjax.compress.heads.flat_top_mask`).
     """
-    B, K, n = scores_BKn.shape
+    B, _, n = scores_BKn.shape
+    K = heads.total(scores_BKn.shape[1])
     b = per_head_B1.reshape(B, 1)
     s = scores_BKn
     bump = jnp.zeros(s.shape, bool)
@@ -98,26 +118,30 @@ def flattened_heads(
         s = jnp.where(bump, jnp.inf, s)
     total = K * b[:, 0]  # [B]
     k_max = min(K * max_per_head, K * n)
-    _, flat = jax.lax.top_k(s.reshape(B, K * n), k_max)  # lower index first on ties
-    take = jnp.arange(k_max)[None, :] < total[:, None]
-    keep = jnp.zeros((B, K * n), bool).at[jnp.arange(B)[:, None], flat].set(take)
-    return (keep.reshape(B, K, n), bump) if with_safe else keep.reshape(B, K, n)
+    keep = flat_top_mask(s, total, k_max, heads)  # lower flat index first on ties
+    return (keep, bump) if with_safe else keep
 
 
 def adakv_code_counts(
-    scores_BKP: Float[Array, "B K P"], base: Int[Array, "B"], alpha: float
+    scores_BKP: Float[Array, "B K P"], base: Int[Array, "B"], alpha: float,
+    heads: Heads = Heads(),
 ) -> Int[Array, "B K"]:
     """The AdaKV authors' code variant (FFY0/AdaKV `AdaptiveSnapKVCluster`): counts of each
     head in a flattened top-`K * base` over the prefix scores (window apart), then mixed
     with a uniform floor: `round(count * (1 - alpha) + int(base * alpha))` per head. The
     counts then need not add up to `K * base` exactly (rounding). `base` excludes the
-    window; prefix padding must score -inf.
+    window; prefix padding must score -inf. `heads`: one block of the heads (the engine's
+    shard_map): the top-k runs across every block.
     """
     B, K, P = scores_BKP.shape
-    order = jnp.argsort(-scores_BKP.reshape(B, K * P), axis=-1, stable=True)
-    rank = jnp.zeros_like(order).at[jnp.arange(B)[:, None], order].set(
-        jnp.broadcast_to(jnp.arange(K * P), (B, K * P)))
-    chosen = (rank < (K * base)[:, None]).reshape(B, K, P)
+    if heads.split:  # the same set: the top K * base, ties lower flat index first
+        Kg = heads.total(K)
+        chosen = flat_top_mask(scores_BKP, Kg * base, Kg * P, heads)
+    else:
+        order = jnp.argsort(-scores_BKP.reshape(B, K * P), axis=-1, stable=True)
+        rank = jnp.zeros_like(order).at[jnp.arange(B)[:, None], order].set(
+            jnp.broadcast_to(jnp.arange(K * P), (B, K * P)))
+        chosen = (rank < (K * base)[:, None]).reshape(B, K, P)
     count = jnp.sum(chosen, axis=-1).astype(jnp.float32)
     floor = jnp.floor(base.astype(jnp.float32) * alpha)[:, None]
     return jnp.round(count * (1 - alpha) + floor).astype(jnp.int32)

@@ -91,6 +91,11 @@ class PrefillEviction(Method):
     def validate(self, n: int, cfg: ModelConfig) -> None:
         if getattr(self, "window", 0) < 0:
             raise ValueError(f"window={self.window} must be >= 0")
+        if self.forced >= n:  # no budget fits: say so rather than print an empty range
+            raise ValueError(
+                f"the {self.forced} always-kept entries ({self.forced_what}) leave nothing to "
+                f"choose in a prompt of {n} tokens: they must be fewer than {n} "
+                "(use `full` to keep everything)")
         if self.budget <= self.forced:
             raise ValueError(
                 f"budget={self.budget} must be larger than the {self.forced} always-kept entries "

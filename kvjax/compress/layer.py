@@ -11,15 +11,17 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.compress.cache import LayerKV, set_rows
+from kvjax.compress.heads import Heads
 from kvjax.config import ModelConfig
 from kvjax.pallas.dispatch import Kernels
 
-__all__ = ["LayerIO", "LayerKV", "Rows"]
+__all__ = ["LayerIO", "LayerKV", "Revival", "Rows"]
 
 
 @dataclasses.dataclass
@@ -39,6 +41,9 @@ class LayerIO:
     wo: Float[Array, "HDh D"] | None = None  # the layer's output projection W_O
     cfg: ModelConfig | None = None  # static: the model
     kernels: Kernels = Kernels()  # static: the run's kernel implementations
+    # static: all KV heads, or this device's block of them inside the engine's shard_map;
+    # what spans heads (a sum, a flattened top-k) goes through it (`kvjax.compress.heads`)
+    heads: Heads = Heads()
 
     @property
     def kv(self) -> LayerKV:
@@ -61,7 +66,23 @@ class LayerIO:
 jax.tree_util.register_dataclass(
     LayerIO,
     data_fields=["layer", "q", "k", "v", "pos", "valid", "qpos", "o", "hidden", "qvalid", "wo"],
-    meta_fields=["cfg", "kernels"])
+    meta_fields=["cfg", "kernels", "heads"])
+
+
+class Revival(NamedTuple):
+    """Cache rows a method asks the engine to recompute at one layer (`Method.revival`):
+    their hidden states x [B, R, D] and cache slots [B, R] (-1: none); `active` (a traced
+    bool) skips the work when nothing is revived. `mlp_first`: x stops after the previous
+    layer's attention, so that layer's MLP runs first; `mlp_last`: this layer's MLP runs
+    (False: x stops after this layer's attention). `keys` (static): the rows attend to the
+    first `keys` slots of the layer only (where the method knows all they may see lies)."""
+
+    x: Array
+    slot: Array
+    active: Array
+    mlp_first: Array | bool = False
+    mlp_last: Array | bool = True
+    keys: int | None = None
 
 
 @jax.tree_util.register_dataclass

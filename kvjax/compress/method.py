@@ -60,6 +60,26 @@ class Method:
             return dataclasses.replace(self, budget=budget)
         return self
 
+    def with_ratio(self, ratio: float, n: int) -> "Method":
+        """This method at kvpress's compression ratio (`--ratio`) on an n-token compressed
+        prompt: the fraction `ratio` of it removed, so `int(n (1 - ratio))` kept (at least
+        1: kvpress `compute_n_kept`). `n` is what the method compresses -- the whole prompt
+        question-aware, the context alone context-only -- so a ratio means the same in both
+        scenarios. A wrapper (a `base` field) passes it to its base; a method whose
+        arithmetic keeps the float (PyramidKV's schedule) overrides this."""
+        if not 0 <= ratio < 1:
+            raise ValueError(f"ratio={ratio} must be in [0, 1) (the fraction removed)")
+        base = getattr(self, "base", None)
+        if isinstance(base, Method):
+            return dataclasses.replace(self, base=base.with_ratio(ratio, n))
+        return self.with_budget(max(1, int(n * (1 - ratio))))
+
+    def for_prompt(self, n: int) -> "Method":
+        """This method with its length-dependent defaults resolved for a batch whose longest
+        prompt has n tokens (ASL's `select_k` as a fraction of the prompt, FastKV's rates):
+        static values (shapes) are one per batch. The engine calls it first."""
+        return self
+
     def kept_slots(self, n: int) -> int:
         """Static slots per (layer, KV head) after the prefill of an n-token (padded) prompt."""
         return n
@@ -84,6 +104,15 @@ class Method:
         """After the scan (kv and aux stacked over layers): (the cache's kv, the decode
         state, the method's statistics). Cross-layer allocation happens here (LAVa, D2O)."""
         return kv, state, {}
+
+    def splits_heads(self) -> bool:
+        """True when `after_layer_prefill` gives the single-device result on a block of the
+        KV heads: its work is per head and whatever spans heads goes through `io.heads`
+        (`kvjax.compress.heads`). On a mesh with a `model` axis the engine then runs the
+        hook per device in a shard_map (`kvjax.distributed.shard_heads`); otherwise XLA
+        partitions it from the placements. A subclass that adds work across heads without
+        `io.heads` returns False again."""
+        return False
 
     def next_position(self, kv: LayerKV, pos_BT, valid_BT):
         """[B] the position the first token after the prompt gets: the largest kept
@@ -115,11 +144,10 @@ class Method:
 
     def revival(self, layer, state: Any):
         """Before a layer's attention while the cache is extended: rows of the cache to
-        recompute at this layer, as (hidden states x [B, R, D], their cache slots [B, R]
-        (-1: none), whether any row is to be recomputed), or None (the default: nothing).
-        The engine writes their keys and values at this layer, runs the layer on them over
-        the layer's cache (causally), and hands the new x to `revived`. SlimInfer revives
-        blocks pruned at prefill from their stored hidden states this way."""
+        recompute at this layer (`kvjax.compress.layer.Revival`), or None (the default:
+        nothing). The engine writes their keys and values at this layer, runs the layer on
+        them over the layer's cache (causally), and hands the new x to `revived`. SlimInfer
+        revives blocks pruned at prefill from their stored hidden states this way."""
         return None
 
     def revived(self, layer, x_BRD, state: Any) -> Any:
@@ -130,6 +158,12 @@ class Method:
         """After every layer saw the new tokens (compiled, once per extension)."""
         return state
 
+    def after_layers(self, cfg: ModelConfig, cache: KVCache, state: Any, upto: int) -> Any:
+        """After layers [.., upto) saw the new tokens (compiled): at every boundary of a
+        split step (`decode_segments`), and with upto = L at the end of every extension,
+        where the default is `after_step`."""
+        return self.after_step(cfg, cache, state) if upto == cfg.num_layers else state
+
     def uses_decode_layer(self) -> bool:
         """Whether the engine must call `decode_layer` (and compute attention probabilities
         for it): by default, when a subclass overrides it."""
@@ -139,6 +173,17 @@ class Method:
         """True: decode is a host loop of compiled steps with `between_steps` before each
         (host <-> device copies cannot happen inside a `lax.while_loop`)."""
         return False
+
+    def decode_segments(self, cfg: ModelConfig) -> tuple[int, ...]:
+        """Layer indices where a host-loop decode step is split (`steps_on_host` methods):
+        the engine runs layers [0, b1), then `between_segments`, then [b1, b2), ... One
+        compiled call per part; () keeps each step one call."""
+        return ()
+
+    def between_segments(self, host: Any, i: int, cache: KVCache, state: Any, done
+                         ) -> tuple[KVCache, Any]:
+        """Host-side, after part i of a split decode step (`decode_segments`)."""
+        return cache, state
 
     def between_steps(self, host: Any, cache: KVCache, state: Any, done) -> tuple[KVCache, Any]:
         """Host-side, before each step of a `steps_on_host` method: may move KV between

@@ -16,7 +16,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import pallas
 from kvjax.compress.cache import LayerKV
-from kvjax.pallas.dispatch import resolve
+from kvjax.pallas.dispatch import note, resolve
 
 
 def slots_from_scores(
@@ -55,11 +55,12 @@ def compact(kv: LayerKV, idx_BKS: Int[Array, "B K S"], live_BKS: Bool[Array, "B 
     `live` is a prefix of the slots (as `slots_from_scores` and `slots_from_mask` give it),
     so the gather is the `compact` kernel op where `implementation` picks a kernel."""
     t = lambda x: jnp.take_along_axis(x, idx_BKS[..., None] if x.ndim == 4 else idx_BKS, axis=2)
-    if resolve(implementation)[0] != "xla":
+    if resolve(implementation, op="compact")[0] != "xla":
         count = jnp.sum(live_BKS, axis=-1, dtype=jnp.int32)
         k, v, pos, live = pallas.compact(kv.k, kv.v, kv.pos, idx_BKS, count,
                                          implementation=implementation)
         return LayerKV(k, v, pos, live & t(kv.valid))
+    note("compact", "xla")
     return LayerKV(t(kv.k), t(kv.v), t(kv.pos), t(kv.valid) & live_BKS)
 
 

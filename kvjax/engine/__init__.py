@@ -9,18 +9,26 @@
 - `driver`: `run`, one generation from token ids to tokens and statistics.
 """
 
-from kvjax.engine.driver import ENGINE_STATS, Generation, check_request, run  # noqa: F401
+from kvjax.engine.driver import (  # noqa: F401
+    ENGINE_STATS,
+    Generation,
+    check_method,
+    check_request,
+    check_tokens,
+    run,
+)
 from kvjax.engine.executables import clear_compiled, compile_once  # noqa: F401
 from kvjax.engine.inputs import bucket, pad_left, positions  # noqa: F401
 from kvjax.engine.sampling import Sampling, sample  # noqa: F401
 from kvjax.engine.steps import (  # noqa: F401
     compress_prompt,
     decode,
-    decode_step,
+    decode_segment,
     extend,
     prefill,
 )
 
-__all__ = ["ENGINE_STATS", "Generation", "Sampling", "bucket", "check_request",
-           "clear_compiled", "compile_once", "compress_prompt", "decode", "decode_step",
-           "extend", "pad_left", "positions", "prefill", "run", "sample"]
+__all__ = ["ENGINE_STATS", "Generation", "Sampling", "bucket", "check_method",
+           "check_request", "check_tokens", "clear_compiled", "compile_once",
+           "compress_prompt", "decode", "decode_segment", "extend", "pad_left", "positions",
+           "prefill", "run", "sample"]

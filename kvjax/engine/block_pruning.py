@@ -2,11 +2,14 @@
 `prefill_kind = "block_pruning"`), with fixed shapes.
 
 The left-padded prompt is first laid out as blocks (slot s holds position s; slots past the
-prompt are dead). Stage 0 (layers 0..p_1) runs on every block. After pruning layer p_i's
-MLP the method scores the blocks from that layer's queries and keys (`group_scores`) and
+prompt are dead). Stage 0 (layers 0..p_1) runs on every block. At pruning layer p_i the
+method scores the blocks from that layer's queries and keys (`group_scores`) and
 chooses the ones to keep (`choose_groups`: its forced blocks plus the top ones); their
-hidden states are gathered with their original positions, and stage i (layers
-p_i+1..p_{i+1}) runs on them only. Each stage is one `lax.scan` over its layers with the
+hidden states are gathered with their original positions -- right after the pruning
+layer's attention (`plan.prune_after = "attention"`, the paper: its MLP runs on the kept
+tokens only) or after its MLP ("mlp") -- and stage i (layers p_i+1..p_{i+1}) runs on them
+only. (The MLP acts on each token alone, so both give the same kept hidden states; the
+first saves the pruned tokens' MLP.) Each stage is one `lax.scan` over its layers with the
 stage's static token count (`plan`), so a (padded length, schedule) pair compiles once;
 per element the kept sets differ. Each layer's KV holds the tokens that layer saw.
 """
@@ -27,22 +30,40 @@ def stage_params(params, a: int, b: int):
     return jax.tree.map(lambda w: w[a:b], params["layers"])
 
 
-def run_stage(params, cfg: ModelConfig, a: int, b: int, x, pos_BS, valid_BS, tail_Bw):
+def run_stage(params, cfg: ModelConfig, a: int, b: int, x, pos_BS, valid_BS, tail_Bw,
+              mlp_first: bool = False, attention_last: bool = False, attn: str = "xla"):
     """Layers [a, b) on the token set x [B, S, D]: the new x, per-layer (k, v) and the
-    queries of the last w prompt tokens at each layer [n, B, w, H, Dh]."""
+    queries of the last w prompt tokens at each layer [n, B, w, H, Dh].
+
+    `mlp_first`: layer a-1's MLP runs first, on these tokens (its attention ran on the
+    previous, larger set: pruning right after the pruning layer's attention);
+    `attention_last`: layer b-1 stops after its attention (its MLP is the next stage's);
+    `attn`: the prompt attention's implementation (`attention.attend_prompt`)."""
     B, S = pos_BS.shape
     K = cfg.num_kv_heads
     kpos = jnp.broadcast_to(pos_BS[:, None], (B, K, S))
     kvalid = jnp.broadcast_to(valid_BS[:, None], (B, K, S))
 
-    def body(x, p):
+    def attend(p, x, layer):
         q, k, v = transformer.qkv(p, cfg, x, pos_BS)
-        o = attention.attend_chunked(q, k, v, pos_BS, kpos, kvalid, cfg.sliding_window)
-        x = transformer.finish_layer(p, cfg, x, o)
+        o = attention.attend_prompt(q, k, v, pos_BS, kpos, kvalid,
+                                    transformer.layer_window(cfg, layer), attn)
         qt = jnp.take_along_axis(q, tail_Bw[:, :, None, None], axis=1)
-        return x, (k, v, qt)
+        return transformer.attention_residual(p, cfg, x, o), (k, v, qt)
 
-    return jax.lax.scan(body, x, stage_params(params, a, b))
+    def body(x, xs):
+        p, layer = xs
+        x, out = attend(p, x, layer)
+        return transformer.mlp_residual(p, cfg, x), out
+
+    if mlp_first:
+        x = transformer.mlp_residual(transformer.layer_slice(params, a - 1), cfg, x)
+    end = b - 1 if attention_last else b
+    x, outs = jax.lax.scan(body, x, (stage_params(params, a, end), jnp.arange(a, end)))
+    if attention_last:
+        x, last = attend(transformer.layer_slice(params, b - 1), x, b - 1)
+        outs = jax.tree.map(lambda o, l: jnp.concatenate([o, l[None]]), outs, last)
+    return x, outs
 
 
 def block_layout(tokens_BT, valid_BT, T_slots: int):
@@ -93,7 +114,13 @@ def prefill(m, params, cfg: ModelConfig, tokens_BT, valid_BT, pos_BT, kernels: K
             blk, glive = jnp.take_along_axis(blk, idx, axis=1), live
             pruned[-1].update(blocks=blk, blive=live)
         tail = tail_slots(pos, valid, w)
-        x, (k, v, qts) = run_stage(params, cfg, a, b, x, pos, valid, tail)
+        split = plan.prune_after == "attention"
+        # a fused attention masks by slot index: kept blocks keep their order, but a sliding
+        # window would count the gaps between them
+        attn = kernels.prompt_attention() if i == 0 or cfg.sliding_window is None else "xla"
+        x, (k, v, qts) = run_stage(params, cfg, a, b, x, pos, valid, tail,
+                                   mlp_first=split and i > 0,
+                                   attention_last=split and i < len(plan.stages) - 1, attn=attn)
         qt = qts[-1]
         kv.append(LayerKV(k, v, pos, valid))
     last = jnp.take_along_axis(x, tail[:, -1:, None], axis=1)[:, 0]
@@ -121,7 +148,15 @@ def _stats(plan, pruned: list[dict], kv: list[LayerKV], B: int) -> dict:
     width = max(plan.blocks, default=1)
     per_stage = [jnp.sum(s.valid, axis=1, dtype=jnp.int32) for s in kv]  # [B] each
     per_layer = [jnp.broadcast_to(t[:, None], (B, s.k.shape[0])) for t, s in zip(per_stage, kv)]
-    stats = {"layer_tokens": jnp.concatenate(per_layer, axis=1),
+    layer_tokens = jnp.concatenate(per_layer, axis=1)
+    mlp_tokens = layer_tokens
+    if plan.prune_after == "attention":  # each pruning layer's MLP runs on the next stage
+        for p, t in zip(plan.layers, per_stage[1:]):
+            mlp_tokens = mlp_tokens.at[:, p].set(t)
+    slots = [s.k.shape[3] for s in kv]  # the static token slots each stage runs
+    stats = {"layer_tokens": layer_tokens,
+             "mlp_tokens": mlp_tokens,
+             "stage_slots": jnp.broadcast_to(jnp.asarray(slots, jnp.int32), (B, len(slots))),
              "stage_tokens": jnp.stack(per_stage, axis=1),
              "pruning_layers": jnp.broadcast_to(jnp.asarray(plan.layers or (-1,), jnp.int32),
                                                 (B, max(len(plan.layers), 1)))}

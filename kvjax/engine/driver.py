@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Any
 
 import jax
 import numpy as np
 
+from kvjax import distributed
 from kvjax.compress import cache as kvcache
 from kvjax.compress.method import Method
 from kvjax.config import ModelConfig
@@ -26,7 +28,7 @@ from kvjax.pallas.dispatch import Kernels
 
 # keys of `Generation.stats` that the engine itself measures (the rest come from the method)
 ENGINE_STATS = ("kv_bytes_live", "kv_bytes_allocated", "kv_bytes_full", "ttft_s", "tpot_s",
-                "compile_s", "prompt_tokens", "kernels")
+                "compile_s", "prompt_tokens", "kernels", "mesh")
 
 
 @dataclasses.dataclass
@@ -40,15 +42,34 @@ class Generation:
 @dataclasses.dataclass
 class _Clock:
     """What the phases of one run measured: time to first token, compilation, decoding,
-    and the kernel ops the compiled programs used."""
+    and the kernel ops the compiled programs used; and the run's kernel choices, which a
+    kernel that fails to compile turns to xla (`compiled`)."""
 
+    config: Kernels = Kernels()
     ttft_s: float = 0.0
     compile_s: float = 0.0
     decode_s: float = 0.0
     kernels: set = dataclasses.field(default_factory=set)
 
     def compiled(self, fn, args, **static):
-        exe, secs, used = compile_once(fn, args, **static)
+        """`fn` compiled with the run's kernels. A Pallas kernel that `auto` picked but
+        that fails to lower or compile on this backend and jax version is replaced by the
+        xla reference, for this program and the run's later ones, with one warning naming
+        the ops and the reason; a kernel asked for by name raises."""
+        try:
+            exe, secs, used = compile_once(fn, args, kernels=self.config, **static)
+        except Exception as e:
+            fallback = self.config.fallback()
+            if fallback == self.config:
+                raise
+            ops = [f.name for f in dataclasses.fields(Kernels)
+                   if getattr(fallback, f.name) != getattr(self.config, f.name)]
+            warnings.warn(f"kvjax: the {', '.join(ops)} kernel(s) that `auto` picked failed to "
+                          f"compile on {jax.default_backend()} (jax {jax.__version__}): "
+                          f"{type(e).__name__}: {str(e)[:300]}; running xla for them",
+                          RuntimeWarning, stacklevel=3)
+            self.config = fallback
+            exe, secs, used = compile_once(fn, args, kernels=fallback, **static)
         self.compile_s += secs
         self.kernels |= used
         return exe
@@ -60,26 +81,42 @@ class _Clock:
         return out
 
 
-def check_request(cfg: ModelConfig, prompts, questions, method: Method, max_new_tokens: int):
-    """Refuse, with the bad value named, what the model or the method cannot run."""
+def check_tokens(cfg: ModelConfig, prompts, questions, max_new_tokens: int) -> int:
+    """Refuse, with the bad value named, token ids no model run can take (empty prompts,
+    non-integers, ids outside the vocabulary, more positions than the model has); returns
+    the longest prompt + question. Independent of the method: a sweep checks each prompt
+    set once, then every method on its lengths (`check_method`)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+        raise TypeError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if not prompts or any(len(p) == 0 for p in prompts):
+    if not len(prompts) or any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: every prompt needs at least one token")
     if questions is not None and len(questions) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(questions)} questions")
     for seq in (*prompts, *(questions or ())):
-        bad = [t for t in seq if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the model's vocabulary "
+        ids = np.asarray(seq)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise TypeError(f"token ids must be a flat sequence of integers, got {ids.dtype} "
+                            f"of shape {ids.shape}")
+        bad = ids[(ids < 0) | (ids >= cfg.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside the model's vocabulary "
                              f"[0, {cfg.vocab_size})")
     longest = max(len(p) + len(q) for p, q in zip(prompts, questions or [[]] * len(prompts)))
     if longest + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(
             f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
             f"max_position_embeddings={cfg.max_position_embeddings}")
-    for p in prompts:
-        method.validate(len(p), cfg)
+    return longest
+
+
+def check_method(cfg: ModelConfig, lengths, longest: int, method: Method) -> None:
+    """Refuse, with the bad value named, a method that cannot run on prompts of these
+    lengths (its own `validate`; scores past a sliding window). `longest`: the longest
+    prompt + question."""
+    for n in sorted(set(lengths)):
+        method.validate(n, cfg)
     if not method.positional and cfg.sliding_window is not None and longest > cfg.sliding_window:
         # the model's attention would not see past its window, but the methods' scores
         # (window attention, cumulative sums, merges) see the whole causal prefix
@@ -89,18 +126,26 @@ def check_request(cfg: ModelConfig, prompts, questions, method: Method, max_new_
             "only methods that choose by position ('full', 'streaming_llm') run beyond it")
 
 
+def check_request(cfg: ModelConfig, prompts, questions, method: Method, max_new_tokens: int):
+    """Refuse, with the bad value named, what the model or the method cannot run."""
+    longest = check_tokens(cfg, prompts, questions, max_new_tokens)
+    check_method(cfg, [len(p) for p in prompts], longest, method)
+
+
 def _placed(arrays, sharding):
     return arrays if sharding is None else jax.device_put(arrays, sharding)
 
 
-def _prefill(params, cfg, prompts, method, kernels, Tq, max_new, shrink_ok, sharding, clock):
+def _prefill(params, cfg, prompts, method, Tq, max_new, shrink_ok, sharding, clock,
+             head_mesh=None):
     """Prefill + compression (and, for append-only methods, dropping the dead slots):
-    (logits, cache, state, stats)."""
+    (logits, cache, state, stats). `head_mesh`: the compression step per device
+    (`kvjax.distributed.head_mesh`)."""
     T = bucket(max(len(p) for p in prompts))
     tokens, valid = _placed(pad_left(prompts, T, cfg.pad_token_id), sharding)
     capacity = method.decode_capacity(method.cache_slots(T, cfg), Tq, max_new)
     pre = clock.compiled(steps.prefill_extent, (params, tokens, valid), cfg=cfg, method=method,
-                         capacity=capacity, kernels=kernels)
+                         capacity=capacity, mesh=head_mesh)
     logits, cache, state, stats, extent = clock.timed(pre, params, tokens, valid)
     if shrink_ok and method.static_after_prefill():
         # Methods with per-head or per-layer budgets (AdaKV, PyramidKV, LAVa, CAKE, HeadKV)
@@ -108,37 +153,54 @@ def _prefill(params, cfg, prompts, method, kernels, Tq, max_new, shrink_ok, shar
         # would cost as much as the full cache. Drop them (a bucketed count: few shapes).
         slots = bucket(max(int(extent), 1), 1)
         if slots < cache.capacity - Tq - max_new:
-            cut = clock.compiled(steps.shrink, (cache,), slots=slots,
-                                 capacity=slots + Tq + max_new)
+            cut, c, _ = compile_once(steps.shrink, (cache,), slots=slots,
+                                     capacity=slots + Tq + max_new)  # no kernel op in it
+            clock.compile_s += c
             cache = clock.timed(cut, cache)
     return logits, cache, state, stats
 
 
-def _question(params, cfg, questions, Tq, method, kernels, cache, state, sharding, clock):
+def _question(params, cfg, questions, Tq, method, cache, state, sharding, clock):
     """The context-only scenario: the question prefilled on top of the compressed context."""
     qt, qv = _placed(pad_left(questions, Tq, cfg.pad_token_id), sharding)
-    ext = clock.compiled(steps.extend, (params, cache, qt, qv, state), cfg=cfg, method=method,
-                         kernels=kernels)
+    ext = clock.compiled(steps.extend, (params, cache, qt, qv, state), cfg=cfg, method=method)
     return clock.timed(ext, params, cache, qt, qv, state)
 
 
-def _decode(params, cfg, cache, logits, state, method, kernels, max_new, sampling, stop_ids,
-            seed, clock):
+def _decode(params, cfg, cache, logits, state, method, max_new, sampling, stop_ids, seed, clock):
     """(tokens [B, max_new], counts [B], cache, state, the method's decode stats)."""
     rng = jax.random.PRNGKey(seed)
     if method.steps_on_host():
         out, n, cache, state, host, c, used, secs = steps.host_decode(
             params, cfg, cache, logits, rng, state, method=method, max_new=max_new,
-            sampling=sampling, stop_ids=stop_ids, kernels=kernels)
+            sampling=sampling, stop_ids=stop_ids, kernels=clock.config)
         clock.compile_s += c
         clock.kernels |= used
         clock.decode_s += secs
         return out, n, cache, host, method.decode_stats(host, state)
     dec = clock.compiled(steps.decode, (params, cache, logits, rng, state), cfg=cfg,
-                         method=method, max_new=max_new, sampling=sampling, stop_ids=stop_ids,
-                         kernels=kernels)
+                         method=method, max_new=max_new, sampling=sampling, stop_ids=stop_ids)
     out, n, cache, state = clock.timed(dec, params, cache, logits, rng, state, phase="decode_s")
     return out, n, cache, state, method.decode_stats(None, state)
+
+
+def _real_rows(cache: kvcache.KVCache, B: int) -> kvcache.KVCache:
+    """The cache of the first B batch elements (the padding a mesh's data axis needed
+    dropped)."""
+    if cache.k.shape[1] == B:
+        return cache
+    cut = lambda x: x[:, :B]  # noqa: E731
+    return dataclasses.replace(cache, k=cut(cache.k), v=cut(cache.v), pos=cut(cache.pos),
+                               valid=cut(cache.valid), next_pos=cache.next_pos[:B])
+
+
+def _real_stat(v, B: int, padded: int):
+    """A method statistic as a list, its rows of padding elements dropped (statistics are
+    per element on their leading axis)."""
+    a = np.asarray(v)
+    if padded != B and a.ndim and a.shape[0] == padded:
+        a = a[:B]
+    return a.tolist()
 
 
 def _kernels_used(used: set) -> dict[str, str]:
@@ -161,6 +223,7 @@ def run(
     stop_ids: tuple[int, ...] | None = None,
     seed: int = 0,
     batch_sharding=None,
+    mesh=None,
     shrink: bool = True,
     kernels: Kernels = Kernels(),
 ) -> Generation:
@@ -168,31 +231,47 @@ def run(
 
     `shrink`: drop the slots no head uses before decoding, for methods that only append
     while decoding (same tokens, less to attend over); False keeps the prefill's layout.
-    `batch_sharding` (see `kvjax.distributed`) places the token arrays across devices;
+    `mesh` (a (data, model) `jax.sharding.Mesh`, `kvjax.distributed`): the params placed
+    on it (a no-op when loaded so), the batch over `data` -- padded to a multiple of it
+    with copies of its last element, whose outputs are dropped -- the KV heads over
+    `model`, and the compression step per device where the method allows it
+    (`distributed.head_mesh`); the tokens are the single-device ones.
+    `batch_sharding` (the older form) places the token arrays only;
     `kernels` picks the kernel implementation of each op (a static part of every program).
     """
     method = method or Method()
+    if prompts:
+        method = method.for_prompt(max(len(p) for p in prompts))
     check_request(cfg, prompts, questions, method, max_new_tokens)
     stop_ids = tuple(cfg.eos_token_ids) if stop_ids is None else tuple(stop_ids)
     Tq = bucket(max(len(q) for q in questions), 1) if questions else 0
-    clock = _Clock()
-    logits, cache, state, stats = _prefill(params, cfg, prompts, method, kernels, Tq,
-                                           max_new_tokens, shrink, batch_sharding, clock)
-    if questions:
-        logits, cache, state = _question(params, cfg, questions, Tq, method, kernels, cache,
-                                         state, batch_sharding, clock)
-    live_after_prefill = kvcache.kv_bytes(cache)
     B = len(prompts)
-    out, n, decode_stats = np.zeros((B, 0), np.int32), np.zeros(B, int), {}
+    n_in = sum(len(p) for p in prompts) + sum(len(q) for q in questions or [])
+    prompt_tokens = [len(p) for p in prompts]
+    head_mesh = None
+    if mesh is not None:
+        distributed.check_mesh(mesh, cfg)
+        params = distributed.shard_params(params, cfg, mesh)
+        batch_sharding = batch_sharding or distributed.batch_sharding(mesh)
+        prompts, questions = distributed.pad_batch(prompts, questions, mesh.shape["data"])
+        head_mesh = distributed.head_mesh(mesh, method)
+    padded = len(prompts)
+    clock = _Clock(kernels)
+    logits, cache, state, stats = _prefill(params, cfg, prompts, method, Tq, max_new_tokens,
+                                           shrink, batch_sharding, clock, head_mesh)
+    if questions:
+        logits, cache, state = _question(params, cfg, questions, Tq, method, cache, state,
+                                         batch_sharding, clock)
+    live_after_prefill = kvcache.kv_bytes(_real_rows(cache, B))
+    out, n, decode_stats = np.zeros((padded, 0), np.int32), np.zeros(padded, int), {}
     if max_new_tokens > 0:
         out, n, cache, state, decode_stats = _decode(
-            params, cfg, cache, logits, state, method, kernels, max_new_tokens, sampling,
-            stop_ids, seed, clock)
-    out, n = np.asarray(out), np.asarray(n)
+            params, cfg, cache, logits, state, method, max_new_tokens, sampling, stop_ids,
+            seed, clock)
+    out, n = np.asarray(out)[:B], np.asarray(n)[:B]
     steps_run = min(int(n.max()) + 1, max_new_tokens) if max_new_tokens else 0
-    n_in = sum(len(p) for p in prompts) + sum(len(q) for q in questions or [])
     stats = {
-        **{k: np.asarray(v).tolist() for k, v in stats.items()},
+        **{k: _real_stat(v, B, padded) for k, v in stats.items()},
         **decode_stats,
         "kv_bytes_live": live_after_prefill["kv_bytes_live"],
         "kv_bytes_allocated": live_after_prefill["kv_bytes_allocated"],
@@ -200,7 +279,10 @@ def run(
         "ttft_s": clock.ttft_s,
         "tpot_s": clock.decode_s / steps_run if steps_run else None,
         "compile_s": clock.compile_s,
-        "prompt_tokens": [len(p) for p in prompts],
+        "prompt_tokens": prompt_tokens,
         "kernels": _kernels_used(clock.kernels),
+        "mesh": None if mesh is None else {**distributed.describe(mesh),
+                                           "compression": "shard_map" if head_mesh else "xla"},
     }
-    return Generation([out[i, : n[i]].tolist() for i in range(B)], cache, stats, state)
+    return Generation([out[i, : n[i]].tolist() for i in range(B)], _real_rows(cache, B), stats,
+                      state)

@@ -20,7 +20,7 @@ from kvjax.compress.cache import LayerKV, set_rows, write
 from kvjax.compress.layer import LayerIO, Rows
 from kvjax.config import ModelConfig
 from kvjax.models import attention, transformer
-from kvjax.pallas.dispatch import Kernels
+from kvjax.pallas.dispatch import Kernels, note
 
 Params = transformer.Params
 # (LayerIO, state) -> (what the scan stores for this layer, state)
@@ -52,7 +52,9 @@ def prefill_layers(
         x, st = carry
         p, layer = xs
         q, k, v = transformer.qkv(p, cfg, x, pos_BT)
-        o = attention.attend_chunked(q, k, v, pos_BT, kpos_BKT, kvalid_BKT, cfg.sliding_window)
+        o = attention.attend_prompt(q, k, v, pos_BT, kpos_BKT, kvalid_BKT,
+                                    transformer.layer_window(cfg, layer),
+                                    kernels.prompt_attention())
         x = transformer.finish_layer(p, cfg, x, o)
         out, st = hook(LayerIO(layer, q, k, v, kpos_BKT, kvalid_BKT, pos_BT, o, x, valid_BT,
                                p["o"], cfg, kernels), st)
@@ -70,13 +72,15 @@ def attend_cached(q_BTHD, k_BKCD, v_BKCD, ok_BKTC, kernels: Kernels):
         o = pallas.decode_attention(q_BTHD[:, 0], k_BKCD, v_BKCD, ok_BKTC[:, :, 0],
                                     implementation=kernels.decode_attention)
         return o[:, None]
+    if q_BTHD.shape[1] == 1:
+        note("decode_attention", "xla")
     return attention.attend(q_BTHD, k_BKCD, v_BKCD, ok_BKTC)
 
 
 def extend_layers(
     params: Params,
     cfg: ModelConfig,
-    tokens_BT: Int[Array, "B T"],
+    x_BTD: Array,
     valid_BT: Bool[Array, "B T"],
     kv: LayerKV,
     pos_BT: Int[Array, "B T"],
@@ -84,17 +88,21 @@ def extend_layers(
     method=None,
     state: Any = None,
     kernels: Kernels = Kernels(),
+    span: tuple[int, int] | None = None,
 ):
-    """Append T tokens to a cache (kv [L, B, K, C, ...]) and attend.
+    """Append T tokens (their embeddings x [B, T, D]) to a cache (kv [L, B, K, C, ...]) and
+    attend, through the layers of `span` (all of them by default).
 
     Decoding is T = 1; the context-only scenario prefills the question this way on top of
     a compressed context. The new entries are written into `slot_LBKT` first (a method that
     evicts while decoding picks the slot per layer and head), so a token attends to itself
     and its chunk through the same position-based causal mask. `method` supplies the
     per-layer hooks (`revival` before the attention, `decode_layer` after it); None runs
-    the plain model.
+    the plain model. A span [a, b) takes the hidden states entering layer a and returns
+    those leaving layer b - 1 (a decode step split where a method works on the host).
     """
-    x = params["embed"][tokens_BT]
+    x = x_BTD
+    a, b = span or (0, cfg.num_layers)
     hook = method.decode_layer if method is not None and method.uses_decode_layer() else None
 
     def step(x, kv, st, layer):
@@ -106,7 +114,7 @@ def extend_layers(
         kv = write(kv, layer, k, v, pos_BT, valid_BT, slot_LBKT[layer])
         lk, lv, lp, lval = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)
                             for a in (kv.k, kv.v, kv.pos, kv.valid))
-        ok = attention.mask(pos_BT, lp, lval, cfg.sliding_window)
+        ok = attention.mask(pos_BT, lp, lval, transformer.layer_window(cfg, layer))
         if hook is None:
             o = attend_cached(q, lk, lv, ok, kernels)
             return transformer.finish_layer(p, cfg, x, o), kv, st, (None, None)
@@ -124,26 +132,39 @@ def extend_layers(
         return x, kv, st, tuple(n if isinstance(n, Rows) else None for n in (new.k, new.v))
 
     def revive(p, layer, kv, st):
-        """The method's `revival` rows: their k and v at this layer, then the layer on them."""
+        """The method's `revival` rows: their k and v at this layer, then the layer on them.
+        Only the rows pass through the `lax.cond`: given the whole cache, XLA copies it."""
         rv = method.revival(layer, st)
         if rv is None:
             return kv, st
-        x_r, slot_BR, active = rv
+        same = lambda x: x  # noqa: E731
+        C = kv.k.shape[-2]
+        lk, lv, lp, lval = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)
+                            for a in (kv.k, kv.v, kv.pos, kv.valid))
+        slot = jnp.broadcast_to(jnp.where(rv.active & (rv.slot >= 0), rv.slot, C)[:, None],
+                                (*rv.slot.shape[:1], lk.shape[1], rv.slot.shape[1]))
 
-        def run(kv, st):
-            C = kv.k.shape[-2]
-            lp, lval = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)
-                        for a in (kv.pos, kv.valid))
-            pos_BR = jnp.take_along_axis(lp[:, 0], jnp.clip(slot_BR, 0, C - 1), axis=1)
-            q, k, v = transformer.qkv(p, cfg, x_r, pos_BR)
-            slot = jnp.broadcast_to(jnp.where(slot_BR < 0, C, slot_BR)[:, None], k.shape[:3])
-            kv = LayerKV(set_rows(kv.k, (layer,), slot, k), set_rows(kv.v, (layer,), slot, v),
-                         kv.pos, kv.valid)
-            lk, lv = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (kv.k, kv.v))
-            o = attention.attend(q, lk, lv, attention.mask(pos_BR, lp, lval, cfg.sliding_window))
-            return kv, method.revived(layer, transformer.finish_layer(p, cfg, x_r, o), st)
+        def run(_):
+            x = jax.lax.cond(rv.mlp_first, lambda x: transformer.mlp_residual(
+                transformer.layer_slice(params, jnp.maximum(layer - 1, 0)), cfg, x), same, rv.x)
+            pos_BR = jnp.take_along_axis(lp[:, 0], jnp.clip(rv.slot, 0, C - 1), axis=1)
+            q, k, v = transformer.qkv(p, cfg, x, pos_BR)
+            S = rv.keys or C
+            keys, vals = (set_rows(a[:, :, :S], (), slot, r) for a, r in ((lk, k), (lv, v)))
+            o = attention.attend(q, keys, vals, attention.mask(
+                pos_BR, lp[..., :S], lval[..., :S], transformer.layer_window(cfg, layer)))
+            x = transformer.attention_residual(p, cfg, x, o)
+            x = jax.lax.cond(rv.mlp_last, lambda x: transformer.mlp_residual(p, cfg, x), same, x)
+            return k.astype(lk.dtype), v.astype(lv.dtype), x
 
-        return jax.lax.cond(active, run, lambda kv, st: (kv, st), kv, st)
+        def skip(_):
+            rows = jnp.zeros((*slot.shape, lk.shape[-1]), lk.dtype)
+            return rows, rows, rv.x
+
+        k_r, v_r, x = jax.lax.cond(rv.active, run, skip, None)
+        kv = LayerKV(set_rows(kv.k, (layer,), slot, k_r), set_rows(kv.v, (layer,), slot, v_r),
+                     kv.pos, kv.valid)
+        return kv, method.revived(layer, x, st)
 
     def flush(kv, layer, rows):
         # Rows land at the start of the next layer's step, before anything reads the
@@ -159,10 +180,9 @@ def extend_layers(
         return (x, kv, st, new_rows), None
 
     C = kv.k.shape[-2]
-    shapes = jax.eval_shape(step, x, kv, state, jnp.int32(0))[3]
+    shapes = jax.eval_shape(step, x, kv, state, jnp.int32(a))[3]
     rows = jax.tree.map(lambda s: jnp.full(s.shape, C, s.dtype) if s.dtype == jnp.int32
                         else jnp.zeros(s.shape, s.dtype), shapes)  # nothing to flush
-    (x, kv, state, rows), _ = jax.lax.scan(body, (x, kv, state, rows),
-                                           jnp.arange(cfg.num_layers))
-    kv = flush(kv, cfg.num_layers - 1, rows)
+    (x, kv, state, rows), _ = jax.lax.scan(body, (x, kv, state, rows), jnp.arange(a, b))
+    kv = flush(kv, b - 1, rows)
     return x, kv, state

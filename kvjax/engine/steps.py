@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import distributed
 from kvjax.compress import cache as kvcache
 from kvjax.compress.method import Method
 from kvjax.config import ModelConfig
@@ -29,10 +30,11 @@ from kvjax.pallas.dispatch import Kernels
 
 
 def compress_prompt(method: Method, params, cfg: ModelConfig, tokens_BT, valid_BT, pos_BT,
-                    kernels: Kernels = Kernels()):
+                    kernels: Kernels = Kernels(), mesh=None):
     """The prompt through the model with the method's compression, by its `prefill_kind`:
     (hidden state of the last prompt token [B, D], the kept kv stacked over layers,
-    decode state, the method's stats)."""
+    decode state, the method's stats). `mesh` (`kvjax.distributed.head_mesh`): run the
+    per-layer hook per device on its own KV heads (`kvjax.distributed.shard_heads`)."""
     if method.prefill_kind == "token_selection":
         return token_selection.prefill(method, params, cfg, tokens_BT, valid_BT, pos_BT, kernels)
     if method.prefill_kind == "block_pruning":
@@ -43,36 +45,39 @@ def compress_prompt(method: Method, params, cfg: ModelConfig, tokens_BT, valid_B
         return (kv, aux), st
 
     state = method.init_state(cfg, *tokens_BT.shape)
+    if mesh is not None:
+        hook = distributed.shard_heads(hook, mesh, method, cfg, *tokens_BT.shape)
     x, (kv, aux), state = prefill_layers(params, cfg, tokens_BT, valid_BT, pos_BT, hook, state,
                                          kernels)
     kv, state, stats = method.finalize(kv, aux, state)
     return x[:, -1], kv, state, stats
 
 
-def _prefill(params, tokens_BT, valid_BT, cfg, method, capacity, kernels):
+def _prefill(params, tokens_BT, valid_BT, cfg, method, capacity, kernels, mesh=None):
     B = tokens_BT.shape[0]
     pos_BT = positions(valid_BT, jnp.zeros((B,), jnp.int32))
     x_BD, kv, state, stats = compress_prompt(method, params, cfg, tokens_BT, valid_BT, pos_BT,
-                                             kernels)
+                                             kernels, mesh)
     cache = kvcache.KVCache.of(kv, end=jnp.asarray(kv.k.shape[3], jnp.int32),
                                next_pos=method.next_position(kv, pos_BT, valid_BT))
     cache = kvcache.pad_capacity(cache, capacity)
     return transformer.unembed(params, cfg, x_BD), cache, method.pad_state(state, capacity), stats
 
 
-@partial(jax.jit, static_argnames=("cfg", "method", "capacity", "kernels"))
+@partial(jax.jit, static_argnames=("cfg", "method", "capacity", "kernels", "mesh"))
 def prefill(params, tokens_BT, valid_BT, *, cfg: ModelConfig, method: Method, capacity: int,
-            kernels: Kernels = Kernels()):
-    """Prefill + compression: (last-token logits [B, V], cache, method state, method stats)."""
-    return _prefill(params, tokens_BT, valid_BT, cfg, method, capacity, kernels)
+            kernels: Kernels = Kernels(), mesh=None):
+    """Prefill + compression: (last-token logits [B, V], cache, method state, method stats).
+    `mesh`: the compression step per device (`compress_prompt`)."""
+    return _prefill(params, tokens_BT, valid_BT, cfg, method, capacity, kernels, mesh)
 
 
-@partial(jax.jit, static_argnames=("cfg", "method", "capacity", "kernels"))
+@partial(jax.jit, static_argnames=("cfg", "method", "capacity", "kernels", "mesh"))
 def prefill_extent(params, tokens_BT, valid_BT, *, cfg: ModelConfig, method: Method,
-                   capacity: int, kernels: Kernels = Kernels()):
+                   capacity: int, kernels: Kernels = Kernels(), mesh=None):
     """`prefill`, and the cache's live extent (`kvcache.live_extent`) reduced inside the same
     program, so that the driver reads one integer, not the mask."""
-    out = _prefill(params, tokens_BT, valid_BT, cfg, method, capacity, kernels)
+    out = _prefill(params, tokens_BT, valid_BT, cfg, method, capacity, kernels, mesh)
     return (*out, kvcache.live_extent(out[1]))
 
 
@@ -88,11 +93,11 @@ def _extend(params, cache: kvcache.KVCache, tokens_BT, valid_BT, cfg, method, st
     if slots is None:
         slots = jnp.broadcast_to(cache.end + jnp.arange(T, dtype=jnp.int32),
                                  (cfg.num_layers, B, cfg.num_kv_heads, T))
-    x, kv, state = extend_layers(params, cfg, tokens_BT, valid_BT, cache.kv, pos_BT, slots,
-                                 method, state, kernels)
+    x, kv, state = extend_layers(params, cfg, params["embed"][tokens_BT], valid_BT, cache.kv,
+                                 pos_BT, slots, method, state, kernels)
     cache = kvcache.KVCache.of(kv, end=cache.end + T, next_pos=cache.next_pos + jnp.sum(
         valid_BT, axis=1, dtype=jnp.int32))
-    state = method.after_step(cfg, cache, state)
+    state = method.after_layers(cfg, cache, state, cfg.num_layers)
     return transformer.unembed(params, cfg, x[:, -1]), cache, state
 
 
@@ -144,47 +149,75 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
     return out, n, cache, state
 
 
-@partial(jax.jit, static_argnames=("cfg", "method", "sampling", "stop_ids", "kernels"),
+@partial(jax.jit, static_argnames=("cfg", "method", "span", "sampling", "stop_ids", "kernels"),
          donate_argnames=("cache",))
-def decode_step(params, cache, logits_BV, rng, done_B, state=None, *, cfg: ModelConfig,
-                method: Method, sampling: Sampling, stop_ids: tuple[int, ...],
-                kernels: Kernels = Kernels()):
-    """One step of `decode`'s loop body, for the host loop: (token [B], stopped [B], next
-    logits, cache, state, next rng)."""
-    stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
-    tok, live, stopped, rng = _next_token(logits_BV, rng, done_B, cfg, sampling, stops)
-    logits, cache, state = _extend(params, cache, tok[:, None], live[:, None], cfg, method,
-                                   state, kernels)
-    return tok, stopped, logits, cache, state, rng
+def decode_segment(params, cache, carry, state=None, *, cfg: ModelConfig, method: Method,
+                   span: tuple[int, int], sampling: Sampling, stop_ids: tuple[int, ...],
+                   kernels: Kernels = Kernels()):
+    """The layers [a, b) of one decode step, for methods that work on the host between
+    parts of a step (`Method.decode_segments`). The first segment samples the token (from
+    `carry`'s logits, rng and done); the last writes the step's outputs (token, stopped,
+    logits, rng). Returns (carry, cache, state)."""
+    a, b = span
+    if a == 0:
+        stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
+        tok, live, stopped, rng = _next_token(carry["logits"], carry["rng"], carry["done"], cfg,
+                                              sampling, stops)
+        valid = live[:, None]
+        slots = method.decode_slots(cache, state, 1)
+        if slots is None:
+            slots = jnp.broadcast_to(cache.end, (cfg.num_layers, tok.shape[0],
+                                                 cfg.num_kv_heads, 1)).astype(jnp.int32)
+        carry = dict(x=params["embed"][tok[:, None]], tok=tok, valid=valid, stopped=stopped,
+                     rng=rng, pos=positions(valid, cache.next_pos), slots=slots)
+    x, kv, state = extend_layers(params, cfg, carry["x"], carry["valid"], cache.kv, carry["pos"],
+                                 carry["slots"], method, state, kernels, span)
+    cache = kvcache.KVCache.of(kv, cache.end, cache.next_pos)
+    if b < cfg.num_layers:
+        return {**carry, "x": x}, cache, method.after_layers(cfg, cache, state, b)
+    cache = kvcache.KVCache.of(kv, end=cache.end + 1, next_pos=cache.next_pos + jnp.sum(
+        carry["valid"], axis=1, dtype=jnp.int32))
+    state = method.after_layers(cfg, cache, state, b)
+    return (dict(tok=carry["tok"], stopped=carry["stopped"], rng=carry["rng"],
+                 logits=transformer.unembed(params, cfg, x[:, -1])), cache, state)
 
 
 def host_decode(params, cfg: ModelConfig, cache, logits_BV, rng, state, *, method: Method,
                 max_new: int, sampling: Sampling, stop_ids: tuple[int, ...], kernels: Kernels):
-    """`decode` as a host loop of compiled steps, the method's `between_steps` before each.
+    """`decode` as a host loop of compiled steps: the method's `between_steps` before each,
+    and, where it splits the step (`decode_segments`), `between_segments` inside it.
 
     Returns (tokens [B, max_new], counts [B], cache, state, host bookkeeping, compile
     seconds, kernel ops used, decode seconds)."""
     B = logits_BV.shape[0]
     t0 = time.perf_counter()
-    host, state, hook_compile_s = method.init_host(cfg, cache, state, compile_once)
-    setup_s = time.perf_counter() - t0 - hook_compile_s
-    done = np.zeros(B, bool)
-    step, compile_s, used = compile_once(
-        decode_step, (params, cache, logits_BV, rng, jnp.asarray(done), state), cfg=cfg,
-        method=method, sampling=sampling, stop_ids=stop_ids, kernels=kernels)
+    host, state, compile_s = method.init_host(cfg, cache, state, compile_once)
+    setup_s = time.perf_counter() - t0 - compile_s
+    bounds = (0, *method.decode_segments(cfg), cfg.num_layers)
+    spans = tuple(zip(bounds[:-1], bounds[1:]))
+    static = dict(cfg=cfg, method=method, sampling=sampling, stop_ids=stop_ids, kernels=kernels)
+    used: set = set()
     out = np.full((B, max_new), cfg.pad_token_id, np.int32)
     n = np.zeros(B, np.int64)
+    done = np.zeros(B, bool)
     t0 = time.perf_counter()
     for t in range(max_new):
         cache, state = method.between_steps(host, cache, state, done)
-        tok, stopped, logits_BV, cache, state, rng = step(params, cache, logits_BV, rng,
-                                                          jnp.asarray(done), state)
-        tok, stopped = np.asarray(tok), np.asarray(stopped)
+        carry = dict(logits=logits_BV, rng=rng, done=jnp.asarray(done))
+        for i, span in enumerate(spans):
+            if i:
+                cache, state = method.between_segments(host, i - 1, cache, state, done)
+            seg, c, u = compile_once(decode_segment, (params, cache, carry, state), span=span,
+                                     **static)
+            compile_s, used = compile_s + c, used | u
+            t0 += c  # compilation is reported apart from the decode time
+            carry, cache, state = seg(params, cache, carry, state)
+        logits_BV, rng = carry["logits"], carry["rng"]
+        tok, stopped = np.asarray(carry["tok"]), np.asarray(carry["stopped"])
         out[:, t] = tok
         n += ~done & ~stopped
         done = done | stopped
         if done.all():
             break
     jax.block_until_ready(cache)
-    return (out, n, cache, state, host, compile_s + hook_compile_s, used,
-            time.perf_counter() - t0 + setup_s)
+    return out, n, cache, state, host, compile_s, used, time.perf_counter() - t0 + setup_s

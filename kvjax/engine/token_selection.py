@@ -76,26 +76,34 @@ def _prefill_one(m, params, cfg: ModelConfig, tokens, valid, pos, kernels: Kerne
         return (l < L) & ~done
 
     def body1(c):
-        l, x, kv, ex, x_sel, idx_sel, relvar, done = c
+        l, x, kv, ex, x_sel, idx_sel, relvar, fb, done = c
         p = transformer.layer_slice(params, l)
         q, k, v = transformer.qkv(p, cfg, x, pos)
-        o = attention.attend_chunked(q, k, v, pos, kpos, kvalid, cfg.sliding_window)
+        o = attention.attend_prompt(q, k, v, pos, kpos, kvalid,
+                                    transformer.layer_window(cfg, l), kernels.prompt_attention())
         x = transformer.finish_layer(p, cfg, x, o)
         s_KP = jnp.where(valid[0, :P], m.token_scores(q, k, valid, kernels)[0], -jnp.inf)
         kv = put(kv, l, keep_layer(s_KP, k, v))
+        if fallback:  # every layer's SnapKV choice, kept in case no layer selects
+            fb = fb.at[l].set(jax.vmap(lambda x: top_with_window(x, kv_keep, w))(s_KP))
+        hit, ex, rv = m.exit_test(l, s_KP, valid[0, :P], ex, cfg)
         s = jnp.sum(s_KP, axis=0)  # one score per token [P]
-        hit, ex, rv = m.exit_test(l, s, valid[0, :P], ex, cfg)
         idx = top_with_window(s, k_sel, w)
         x_sel = jnp.where(hit, x[:, idx], x_sel)
         idx_sel = jnp.where(hit, idx, idx_sel)
         relvar = relvar.at[l].set(rv)
-        return l + 1, x, kv, ex, x_sel, idx_sel, relvar, hit
+        return l + 1, x, kv, ex, x_sel, idx_sel, relvar, fb, hit
 
+    # an adaptive method keeping whole layers before its selection falls back to SnapKV
+    # at every layer when none selects (the budget must hold)
+    fallback = plan.adaptive and (plan.kv_before == "full" or plan.second_pass) and kv_keep < T
     D = cfg.hidden_size
     init1 = (jnp.int32(0), params["embed"][tokens], kv0, m.init_exit(cfg, P),
              jnp.zeros((1, k_sel, D), dt), jnp.zeros((k_sel,), jnp.int32),
-             jnp.full((L,), jnp.nan, jnp.float32), jnp.bool_(False))
-    l1, x, kv, ex, x_sel, idx_sel, relvar, selected = jax.lax.while_loop(cond1, body1, init1)
+             jnp.full((L,), jnp.nan, jnp.float32),
+             jnp.zeros((L, K, kv_keep) if fallback else (), jnp.int32), jnp.bool_(False))
+    l1, x, kv, ex, x_sel, idx_sel, relvar, fb, selected = jax.lax.while_loop(cond1, body1,
+                                                                             init1)
     sel_layer = jnp.where(selected, l1 - 1, -1)
 
     # ---- loop 2: the k selected tokens ---------------------------------------------------------
@@ -114,12 +122,21 @@ def _prefill_one(m, params, cfg: ModelConfig, tokens, valid, pos, kernels: Kerne
         l, x, kv = c
         p = transformer.layer_slice(params, l)
         q, k, v = transformer.qkv(p, cfg, x, sel_pos)
-        o = attention.attend(q, k, v, attention.mask(sel_pos, spos, svalid, cfg.sliding_window))
+        o = attention.attend(q, k, v, attention.mask(sel_pos, spos, svalid,
+                                                     transformer.layer_window(cfg, l)))
         kv = put(kv, l, LayerKV(*(padded(a, k_sel) for a in (k, v, spos, svalid))))
         return l + 1, transformer.finish_layer(p, cfg, x, o), kv
 
     _, x2, kv = jax.lax.while_loop(lambda c: c[0] < L, body2, (start, x2, kv))
+    if fallback:
+        g = lambda a: jnp.take_along_axis(a, fb[:, None, ..., None] if a.ndim == 5  # noqa: E731
+                                          else fb[:, None], axis=3)
+        snap = LayerKV(*(jnp.pad(g(a), [(0, 0)] * 3 + [(0, S - kv_keep)] + [(0, 0)] *
+                                 (a.ndim - 4)) for a in kv))
+        kv = jax.tree.map(lambda a, b: jnp.where(selected, a, b), kv, snap)
     last = jnp.where(selected, x2[:, -1], x[:, -1])
     stats = {"selection_layer": sel_layer, "selected": selected, "select_k": jnp.int32(k_sel),
+             "kv_budget": jnp.int32(plan.kv_budget),
+             "fallback_snapkv": plan.adaptive & ~selected,
              "relative_variance": relvar, **m.exit_stats(ex, relvar)}
     return last, kv, stats

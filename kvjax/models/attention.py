@@ -90,3 +90,41 @@ def attend_chunked(q_BTHD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS, slidin
 
     o = jax.lax.map(one, (qb, pb))
     return o.swapaxes(0, 1).reshape(B, T, H, D)
+
+
+def attend_fused(q_BTHD, k_BKTD, v_BKTD, valid_BT, sliding_window, implementation: str):
+    """The prompt's causal attention as one fused call (`jax.nn.dot_product_attention`:
+    cuDNN's flash attention on NVIDIA GPUs), equal to `attend_chunked` when each row's
+    tokens are one contiguous run of slots whose positions increase by one (a left- or
+    right-padded prompt, `engine.inputs.positions`).
+
+    The fused kernels mask by index (causal) and by sequence length (right padding), so
+    each row is rolled left to its first token, attended with its length, and rolled back;
+    padding queries come back as zeros."""
+    B, T, H, D = q_BTHD.shape
+    n_B = jnp.sum(valid_BT, axis=1, dtype=jnp.int32)
+    first = jnp.argmax(valid_BT, axis=1)
+    idx = (jnp.arange(T)[None, :] + first[:, None]) % T  # row b: its tokens first
+    left = lambda x: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)  # noqa: E731
+    window = None if sliding_window is None else (sliding_window - 1, 0)
+    o = jax.nn.dot_product_attention(
+        left(q_BTHD), left(k_BKTD.swapaxes(1, 2)), left(v_BKTD.swapaxes(1, 2)),
+        is_causal=True, query_seq_lengths=n_B, key_value_seq_lengths=n_B,
+        local_window_size=window, implementation=implementation)
+    back = jnp.argsort(idx, axis=1)
+    o = jnp.take_along_axis(o, back[:, :, None, None], axis=1)
+    return jnp.where(valid_BT[:, :, None, None], o, 0).astype(q_BTHD.dtype)
+
+
+def attend_prompt(q_BTHD, k_BKTD, v_BKTD, qpos_BT, kpos_BKT, kvalid_BKT, sliding_window,
+                  implementation: str = "xla"):
+    """The prompt's attention: `attend_chunked` ("xla"), or one fused call ("cudnn", or
+    "fused_xla" for the same call's xla implementation; see `attend_fused`: the prompt's
+    tokens must be contiguous slots). A window that is per-layer data (a traced value,
+    `transformer.layer_window`) takes the `attend_chunked` path: the fused calls need it
+    static."""
+    if implementation == "xla" or isinstance(sliding_window, jax.Array):
+        return attend_chunked(q_BTHD, k_BKTD, v_BKTD, qpos_BT, kpos_BKT, kvalid_BKT,
+                              sliding_window)
+    return attend_fused(q_BTHD, k_BKTD, v_BKTD, kvalid_BKT[:, 0], sliding_window,
+                        "xla" if implementation == "fused_xla" else implementation)

@@ -6,14 +6,15 @@ there with the shape the config implies; anything else is an error that names it
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from kvjax.config import ModelConfig
@@ -72,40 +73,106 @@ def _hf_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
 def _tensor_files(path: Path) -> dict[str, Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: path / f for name, f in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a safetensors index (a 'weight_map' object): "
+                             f"{type(e).__name__}: {e}") from None
+        shards = {name: path / f for name, f in weight_map.items()}
+        for f in sorted(set(shards.values())):
+            if not f.is_file():
+                raise FileNotFoundError(f"shard {f.name} listed in {index} is missing")
+        return shards
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in checkpoint directory {path}")
-    out = {}
-    for f in files:
-        with safe_open(f, framework="numpy") as st:
-            out.update({name: f for name in st.keys()})
-    return out
+    return {name: f for f in files for name in _header(f)[0]}
 
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 
 
-def _read(f: Path, name: str) -> np.ndarray:
-    """One tensor, read straight from the file layout (safetensors' numpy reader has no bf16)."""
+def _header(f: Path) -> tuple[dict, int]:
+    """(tensor name -> metadata, data start) of a safetensors file, checked against the
+    file's size: a truncated or corrupt file is an error naming it, never a reshape error
+    later."""
+    size = f.stat().st_size
     with open(f, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        meta = json.loads(fh.read(n))[name]
-        if meta["dtype"] not in _DTYPES:
-            raise ValueError(f"tensor {name} in {f} has unsupported dtype {meta['dtype']}")
-        start, stop = meta["data_offsets"]
-        fh.seek(8 + n + start)
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or 8 + n > size:
+            raise ValueError(f"{f} is not a complete safetensors file: its header needs "
+                             f"{8 + max(n, 0)} bytes, the file has {size}")
+        try:
+            meta = json.loads(fh.read(n))
+        except ValueError as e:
+            raise ValueError(f"{f} has a corrupt safetensors header: {e}") from None
+    meta.pop("__metadata__", None)
+    return meta, 8 + n
+
+
+def _read(f: Path, name: str) -> np.ndarray:
+    """One tensor, read straight from the file layout (safetensors' numpy reader has no bf16).
+    Every size is checked, so a truncated file names itself and the tensor."""
+    meta_all, start0 = _header(f)
+    if name not in meta_all:
+        raise ValueError(f"tensor {name} is not in {f} (its index says it is)")
+    meta = meta_all[name]
+    if meta["dtype"] not in _DTYPES:
+        raise ValueError(f"tensor {name} in {f} has unsupported dtype {meta['dtype']}")
+    start, stop = meta["data_offsets"]
+    dtype = np.dtype(_DTYPES[meta["dtype"]])
+    want = int(np.prod(meta["shape"], dtype=np.int64)) * dtype.itemsize
+    if stop - start != want:
+        raise ValueError(f"tensor {name} in {f}: shape {meta['shape']} of {meta['dtype']} "
+                         f"needs {want} bytes, its offsets span {stop - start}")
+    with open(f, "rb") as fh:
+        fh.seek(start0 + start)
         buf = fh.read(stop - start)
-    return np.frombuffer(buf, _DTYPES[meta["dtype"]]).reshape(meta["shape"])
+    if len(buf) != want:
+        raise ValueError(f"{f} is truncated: tensor {name} needs bytes {start0 + start}.."
+                         f"{start0 + stop}, the file ends at {f.stat().st_size}")
+    return np.frombuffer(buf, dtype).reshape(meta["shape"])
 
 
-def load_hf(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
-    """Load a local HF checkpoint directory into (config, params)."""
+def _mapped(f: Path, name: str) -> np.ndarray:
+    """One tensor as a read-only memory map (a slice of it reads only its own bytes),
+    checked as `_read` checks it."""
+    meta_all, start0 = _header(f)
+    if name not in meta_all:
+        raise ValueError(f"tensor {name} is not in {f} (its index says it is)")
+    meta = meta_all[name]
+    if meta["dtype"] not in _DTYPES:
+        raise ValueError(f"tensor {name} in {f} has unsupported dtype {meta['dtype']}")
+    start, stop = meta["data_offsets"]
+    dtype = np.dtype(_DTYPES[meta["dtype"]])
+    want = int(np.prod(meta["shape"], dtype=np.int64)) * dtype.itemsize
+    if stop - start != want:
+        raise ValueError(f"tensor {name} in {f}: shape {meta['shape']} of {meta['dtype']} "
+                         f"needs {want} bytes, its offsets span {stop - start}")
+    if start0 + stop > f.stat().st_size:
+        raise ValueError(f"{f} is truncated: tensor {name} needs bytes {start0 + start}.."
+                         f"{start0 + stop}, the file ends at {f.stat().st_size}")
+    if not want:
+        return np.zeros(meta["shape"], dtype)
+    return np.memmap(f, dtype=dtype, mode="r", offset=start0 + start, shape=tuple(meta["shape"]))
+
+
+def load_hf(path: str | Path, dtype=jnp.float32, shardings=None) -> tuple[ModelConfig, Params]:
+    """Load a local HF checkpoint directory into (config, params).
+
+    `shardings` (config -> a tree of `jax.sharding.Sharding` like the params, e.g.
+    `kvjax.distributed.param_shardings`): each parameter is built shard by shard from
+    memory maps of the files (`jax.make_array_from_callback`), so each device receives
+    only its own slice and no device, nor the host, holds the whole model."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a checkpoint directory: config.json is missing")
     cfg = ModelConfig.from_json(path / "config.json")
+    eos = generation_eos(path)
+    if eos:  # the stop set: config.json's eos ids and generation_config.json's, in order
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(
+            (*cfg.eos_token_ids, *eos))))
     files = _tensor_files(path)
     expected = _hf_names(cfg)
     missing = sorted(set(expected) - set(files))
@@ -119,6 +186,8 @@ def load_hf(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
         raise ValueError(f"checkpoint {path} has tensors this config does not use: {unexpected[:5]}")
 
     shapes = param_shapes(cfg)
+    if shardings is not None:
+        return cfg, _load_sharded(files, expected, shapes, dtype, shardings(cfg))
     params: dict = {"layers": {}}
     per_layer: dict[str, list] = {n: [None] * cfg.num_layers for n in shapes["layers"]}
     for name, (ours, transpose) in expected.items():
@@ -136,6 +205,67 @@ def load_hf(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
             per_layer[parts[1]][int(parts[2])] = x
     params["layers"] = {n: jnp.asarray(np.stack(xs), dtype) for n, xs in per_layer.items()}
     return cfg, params
+
+
+def generation_eos(path: str | Path) -> tuple[int, ...]:
+    """`eos_token_id` of the checkpoint's generation_config.json (an int or a list; () when
+    the file or the field is absent): where instruct checkpoints keep their end-of-turn
+    token (Llama-3-Instruct's <|eot_id|>), which config.json often lacks."""
+    f = Path(path) / "generation_config.json"
+    if not f.exists():
+        return ()
+    try:
+        gen = json.loads(f.read_text())
+    except ValueError as e:
+        raise ValueError(f"{f}: not JSON ({e})") from None
+    eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in eos):
+        raise ValueError(f"{f}: eos_token_id={gen['eos_token_id']!r} must be a token id or a "
+                         "list of token ids")
+    return tuple(eos)
+
+
+def _load_sharded(files, expected, shapes, dtype, shardings) -> Params:
+    """`load_hf`'s params, each built from its shards: every tensor's shape is checked from
+    the headers first (the errors of a whole load), then each device's slice is read from
+    the memory-mapped files and converted to `dtype`."""
+    views: dict[str, dict] = {}
+    for name, (ours, transpose) in expected.items():
+        parts = ours.split("/")
+        want = shapes[parts[0]] if len(parts) == 1 else shapes["layers"][parts[1]][1:]
+        x = _mapped(files[name], name)
+        x = x.T if transpose else x
+        if tuple(x.shape) != tuple(want):
+            stored = tuple(x.T.shape) if transpose else tuple(x.shape)
+            raise ValueError(f"tensor {name} has shape {stored}, config implies "
+                             f"{tuple(want[::-1]) if transpose else tuple(want)}")
+        key = parts[0] if len(parts) == 1 else parts[1]
+        views.setdefault(key, {})[int(parts[2]) if len(parts) == 3 else 0] = x
+    target = np.dtype(dtype)
+
+    def build(key: str, shape: tuple, sharding, stacked: bool):
+        xs = [views[key][i] for i in sorted(views[key])]
+        done: dict = {}  # devices holding the same slice (replicas) read it once
+
+        def slice_of(index):
+            k = tuple((s.start, s.stop, s.step) for s in index)
+            if k not in done:
+                if stacked:  # [L, ...]: one tensor per layer
+                    rows = range(len(xs))[index[0]]
+                    done[k] = np.stack([np.asarray(xs[i][index[1:]]) for i in rows]
+                                       ).astype(target)
+                else:
+                    done[k] = np.asarray(xs[0][index]).astype(target)
+            return done[k]
+
+        return jax.make_array_from_callback(tuple(shape), sharding, slice_of, dtype=target)
+
+    params: dict = {k: build(k, v, shardings[k], False)
+                    for k, v in shapes.items() if k != "layers"}
+    params["layers"] = {k: build(k, v, shardings["layers"][k], True)
+                        for k, v in shapes["layers"].items()}
+    return params
 
 
 def save_hf(path: str | Path, cfg: ModelConfig, params: Params, extra_config: dict | None = None) -> None:

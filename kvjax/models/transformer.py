@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from kvjax.config import ModelConfig
-from kvjax.models.rope import apply_rope, inv_freq
+from kvjax.models.rope import apply_rope, attention_scaling, inv_freq
 
 Params = dict[str, Any]
 
@@ -46,23 +46,46 @@ def qkv(p: Params, cfg: ModelConfig, x_BTD: Array, pos_BT: Int[Array, "B T"]):
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    freq = inv_freq(cfg)
-    q, k = apply_rope(q, pos_BT, freq), apply_rope(k, pos_BT, freq)
+    freq, scale = inv_freq(cfg), attention_scaling(cfg)
+    q, k = apply_rope(q, pos_BT, freq, scale), apply_rope(k, pos_BT, freq, scale)
     return q, k.swapaxes(1, 2), v.swapaxes(1, 2)
+
+
+def attention_residual(p: Params, cfg: ModelConfig, x_BTD: Array, o_BTHD: Array) -> Array:
+    """The residual stream after the attention block: x + o W_O."""
+    B, T = x_BTD.shape[:2]
+    return x_BTD + o_BTHD.reshape(B, T, -1) @ p["o"]
+
+
+def mlp_residual(p: Params, cfg: ModelConfig, x_BTD: Array) -> Array:
+    """The residual stream after the SwiGLU MLP block."""
+    h = rms_norm(x_BTD, p["mlp_norm"], cfg.rms_norm_eps)
+    return x_BTD + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
 
 
 def finish_layer(p: Params, cfg: ModelConfig, x_BTD: Array, o_BTHD: Array) -> Array:
     """Residual after attention, then the SwiGLU MLP block."""
-    B, T = x_BTD.shape[:2]
-    x = x_BTD + o_BTHD.reshape(B, T, -1) @ p["o"]
-    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    return x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
+    return mlp_residual(p, cfg, attention_residual(p, cfg, x_BTD, o_BTHD))
 
 
 def unembed(params: Params, cfg: ModelConfig, x: Array) -> Float[Array, "... V"]:
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+
+def layer_window(cfg: ModelConfig, layer) -> int | Int[Array, ""] | None:
+    """The sliding window of `layer` (a possibly traced index): None where no layer has
+    one, the static window where every layer has it (Mistral), else per-layer data (Qwen2
+    and Qwen3's `max_window_layers` / `layer_types`): the window on the sliding layers and
+    a window no position reaches on the others, so the layer scan stays one program."""
+    if cfg.sliding_window is None or cfg.sliding_layers is None:
+        return cfg.sliding_window
+    if isinstance(layer, int):
+        return cfg.sliding_window if cfg.slides(layer) else None
+    table = jnp.asarray([cfg.sliding_window if cfg.slides(i) else jnp.iinfo(jnp.int32).max
+                         for i in range(cfg.num_layers)], jnp.int32)
+    return table[layer]
 
 
 def layer_slice(params: Params, layer: Int[Array, ""]) -> Params:

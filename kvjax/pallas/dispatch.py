@@ -24,6 +24,15 @@ import jax
 IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
 CHOICES = ("auto", "xla", "pallas", *IMPLEMENTATIONS)
 OPS = ("window_scores", "compact", "decode_attention", "value_norms")
+# the prompt's attention: "xla" = kvjax's chunked attention; "cudnn" = one fused call
+# (`jax.nn.dot_product_attention`, cuDNN's flash attention); "fused_xla" = the same call's
+# xla implementation (it materialises the scores: small prompts and tests)
+PREFILL_ATTENTION = ("auto", "xla", "cudnn", "fused_xla")
+# (backend, op) pairs whose Pallas kernel was measured faster than the xla reference on that
+# kind of device: `auto` picks Pallas only there (docs/results/kernels.md; H100, 2026-11-25:
+# window_scores 1.1-1.2x, value_norms 21-26x; decode_attention 0.56x at 32k, compact failed
+# to lower). TPU kernels are unmeasured: `auto` keeps xla there until they are.
+MEASURED_FASTER = {("gpu", "window_scores"), ("gpu", "value_norms")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,29 +43,63 @@ class Kernels:
     compact: str = "auto"
     decode_attention: str = "auto"
     value_norms: str = "auto"
+    prefill_attention: str = "auto"
 
     def __post_init__(self):
         for op in OPS:
             if getattr(self, op) not in CHOICES:
                 raise ValueError(f"kernels: {op}={getattr(self, op)!r}; allowed: {CHOICES}")
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"kernels: prefill_attention={self.prefill_attention!r}; allowed: "
+                             f"{PREFILL_ATTENTION}")
 
     @classmethod
     def every(cls, choice: str | None) -> "Kernels":
-        """The same choice for every op (`--kernels`)."""
-        return cls(**{op: choice or "auto" for op in OPS})
+        """The same choice for every kernel op (`--kernels`); "xla" also keeps the prompt's
+        attention on kvjax's chunked attention, any other leaves it to `auto`."""
+        choice = choice or "auto"
+        return cls(**{op: choice for op in OPS},
+                   prefill_attention="xla" if choice == "xla" else "auto")
 
     def active(self, op: str) -> bool:
         """Whether `op` goes to a Pallas kernel (before any per-input fallback); callers
         with their own jnp path (the engine's decode attention) keep it otherwise."""
-        return resolve(getattr(self, op))[0] != "xla"
+        return resolve(getattr(self, op), op=op)[0] != "xla"
+
+    def prompt_attention(self) -> str:
+        """The prompt attention's implementation: `auto` is cuDNN's fused attention on an
+        NVIDIA GPU (measured: 643 TFLOP/s on one H100 layer at 32k), the chunked xla
+        attention elsewhere. Recorded as used (`recording`): callers call it when tracing
+        the attention."""
+        impl = self.prefill_attention
+        if impl == "auto":
+            impl = "cudnn" if _nvidia(jax.default_backend()) else "xla"
+        note("prefill_attention", impl)
+        return impl
 
     def resolved(self) -> dict[str, str]:
         """{op: implementation} on this backend, before per-input fallbacks."""
         out = {}
         for op in OPS:
-            impl, interp, _ = resolve(getattr(self, op))
+            impl, interp, _ = resolve(getattr(self, op), op=op)
             out[op] = impl + (" (interpreted)" if interp else "")
-        return out
+        auto = "cudnn" if _nvidia(jax.default_backend()) else "xla"
+        return {**out, "prefill_attention": auto if self.prefill_attention == "auto"
+                else self.prefill_attention}
+
+    def fallback(self) -> "Kernels":
+        """These kernels with every op that `auto` sent to Pallas on xla instead (a run's
+        answer to a kernel that fails to lower or compile on the running backend)."""
+        return dataclasses.replace(self, **{
+            op: "xla" for op in OPS
+            if getattr(self, op) == "auto" and resolve("auto", op=op)[0] != "xla"},
+            **({"prefill_attention": "xla"} if self.prefill_attention == "auto"
+               and self.resolved()["prefill_attention"] != "xla" else {}))
+
+
+@functools.cache
+def _nvidia(backend: str) -> bool:
+    return backend in ("gpu", "cuda") and "nvidia" in jax.devices(backend)[0].device_kind.lower()
 
 
 @functools.cache
@@ -76,14 +119,21 @@ def backend_pallas() -> str | None:
     return _backend_pallas(jax.default_backend())
 
 
-def resolve(choice: str | None, interpret: bool = False) -> tuple[str, bool, bool]:
+def resolve(choice: str | None, interpret: bool = False, op: str | None = None
+            ) -> tuple[str, bool, bool]:
     """-> (implementation, interpret, explicit). `explicit` is False for `auto`: the op
-    may then fall back to xla for inputs a kernel does not take."""
+    may then fall back to xla for inputs a kernel does not take. `auto` takes the backend's
+    Pallas kernel only for the ops measured faster on that kind of device
+    (MEASURED_FASTER; any op when `op` is None)."""
     choice = choice or "auto"
     if choice not in CHOICES:
         raise ValueError(f"implementation={choice!r}; allowed: {CHOICES}")
     if choice == "auto":
-        return backend_pallas() or "xla", interpret, False
+        best = backend_pallas()
+        kind = "tpu" if best == "pallas_tpu" else "gpu"
+        if best is None or (op is not None and (kind, op) not in MEASURED_FASTER):
+            return "xla", interpret, False
+        return best, interpret, False
     if choice == "pallas":
         best = backend_pallas()
         return (best, interpret, True) if best else ("pallas_tpu", True, True)
@@ -104,16 +154,21 @@ def recording():
         _RECORDS.remove(used)
 
 
+def note(op: str, implementation: str) -> None:
+    """Record that `op` took `implementation` in the program being traced (`recording`)."""
+    for used in _RECORDS:
+        used.add((op, implementation))
+
+
 def pick(op: str, implementation, interpret, reasons: dict[str, str | None]
          ) -> tuple[str, bool]:
     """Resolve, then fall back to xla when the chosen kernel gave a reason it cannot run
     (`reasons[impl]`), unless the caller asked for that kernel by name."""
-    impl, interp, explicit = resolve(implementation, interpret)
+    impl, interp, explicit = resolve(implementation, interpret, op)
     why = reasons.get(impl)
     if impl != "xla" and why:
         if explicit:
             raise ValueError(f"{op}: implementation={impl!r} cannot run these inputs: {why}")
         impl, interp = "xla", False
-    for used in _RECORDS:
-        used.add((op, impl + (" (interpreted)" if interp else "")))
+    note(op, impl + (" (interpreted)" if interp else ""))
     return impl, interp

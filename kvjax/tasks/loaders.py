@@ -7,18 +7,28 @@
 - `load_longbench_jsonl(path)`: LongBench's files (`{"input", "context", "answers", "length",
   "dataset", "all_classes", "_id"}`), scored with the dataset's LongBench metric.
 
-Both return `Sample`s (`depth=None`; `meta` keeps the record's ids and lengths); score a
-prediction with `score_sample(sample, prediction)`. Note `sample.prompt` joins context and
-question with one space, which may differ in whitespace from the original prompt.
+Both return `Sample`s (`depth=None`; `meta` keeps the record's ids, lengths and line);
+score a prediction with `score_sample(sample, prediction)`. Note `sample.prompt` joins
+context and question with one space, which may differ in whitespace from the original
+prompt. A malformed file is a ValueError naming the file and the line.
+
+`benchmark_files(kind, path)` lists the task files of a file or a directory (one task a
+file, as both benchmarks publish them), `load_benchmark` reads one, `sha256` names its
+bytes in a record, and `take_fraction` picks a share of its samples, the same for a seed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import re
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvjax.tasks import longbench_metrics as lb
 from kvjax.tasks import metrics
@@ -29,15 +39,27 @@ _RULER_MAXLEN = (("niah", 128), ("vt", 30), ("variable_tracking", 30), ("cwe", 1
                  ("common_words", 120), ("fwe", 50), ("freq_words", 50), ("qa", 32))  # fmt: skip
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, record) of every non-empty line; a line that is not a JSON object is
+    refused by its number."""
     records = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
+    try:
+        with path.open(encoding="utf-8") as f:
+            lines = list(f)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e})") from None
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
+            if not isinstance(r, dict):
+                raise ValueError(f"{path}:{n}: a JSON object expected, got "
+                                 f"{type(r).__name__}")
+            records.append((n, r))
+    if not records:
+        raise ValueError(f"{path} holds no records")
     return records
 
 
@@ -45,6 +67,24 @@ def _require(record: Mapping[str, Any], fields: tuple[str, ...], where: str) -> 
     missing = [f for f in fields if f not in record]
     if missing:
         raise ValueError(f"{where}: missing field(s) {missing}")
+
+
+def _text(record: Mapping[str, Any], field: str, where: str, optional: bool = False) -> str:
+    v = record.get(field)
+    if v is None and optional:
+        return ""
+    if not isinstance(v, str):
+        raise ValueError(f"{where}: field {field!r} must be a string, got {v!r:.80}")
+    return v
+
+
+def _answers(record: Mapping[str, Any], field: str, where: str) -> list[str]:
+    v = record[field]
+    v = v if isinstance(v, list) else [v]
+    if not v or any(isinstance(a, (dict, list, bool)) or a is None for a in v):
+        raise ValueError(f"{where}: field {field!r} must be a non-empty list of strings or "
+                         f"numbers, got {record[field]!r:.80}")
+    return [str(a) for a in v]
 
 
 # ---- RULER -------------------------------------------------------------------------------
@@ -80,26 +120,31 @@ def load_ruler_jsonl(path: str | Path, task: str | None = None) -> list[Sample]:
     metric = "ruler_string_match_part" if _is_qa(task) else "ruler_string_match_all"
     max_new = next((n for prefix, n in _RULER_MAXLEN if task.startswith(prefix)), 128)
     out = []
-    for i, r in enumerate(_read_jsonl(path)):
-        _require(r, ("input", "outputs"), f"{path} record {i}")
-        outputs = r["outputs"] if isinstance(r["outputs"], list) else [r["outputs"]]
+    for line, r in _read_jsonl(path):
+        where = f"{path}:{line}"
+        _require(r, ("input", "outputs"), where)
+        outputs = _answers(r, "outputs", where)
         query = r.get("query")
         if isinstance(query, list):  # multi-query files may list their keys
             query = query[-1] if query else None
-        context, question = split_ruler_input(r["input"], query)
-        prefix = (r.get("answer_prefix") or "").strip()
+        if query is not None and not isinstance(query, str):
+            query = str(query)
+        context, question = split_ruler_input(_text(r, "input", where), query)
+        prefix = _text(r, "answer_prefix", where, optional=True).strip()
         question = f"{question} {prefix}".strip()
         out.append(
             Sample(
                 task=task,
                 context=context,
                 question=question,
-                answer=[str(o) for o in outputs],
-                target=", ".join(str(o) for o in outputs),
+                answer=outputs,
+                target=", ".join(outputs),
                 depth=None,
                 max_new_tokens=max_new,
                 metric=metric,
-                meta={k: r[k] for k in ("index", "length", "token_position_answer") if k in r},
+                meta={"line": line,
+                      **{k: r[k] for k in ("index", "length", "token_position_answer")
+                         if k in r}},
             )
         )
     return out
@@ -169,31 +214,101 @@ def load_longbench_jsonl(
     path = Path(path)
     templates = {**TEMPLATES, **(templates or {})}
     out = []
-    for i, r in enumerate(_read_jsonl(path)):
-        _require(r, ("context", "answers"), f"{path} record {i}")
-        name = longbench_dataset(r.get("dataset") or dataset or path.stem)
+    for line, r in _read_jsonl(path):
+        where = f"{path}:{line}"
+        _require(r, ("context", "answers"), where)
+        name = r.get("dataset") or dataset or path.stem
+        if not isinstance(name, str):
+            raise ValueError(f"{where}: field 'dataset' must be a string, got {name!r:.80}")
+        name = longbench_dataset(name)
         if name not in lb.DATASET_METRIC:
             known = sorted(lb.DATASET_METRIC)
-            raise ValueError(f"{path} record {i}: unknown LongBench dataset {name!r}; known: {known}")
+            raise ValueError(f"{where}: unknown LongBench dataset {name!r}; known: {known}")
         ctx_t, q_t = templates.get(name, _DEFAULT_TEMPLATE)
-        answers = r["answers"] if isinstance(r["answers"], list) else [r["answers"]]
+        answers = _answers(r, "answers", where)
+        classes = r.get("all_classes") or []
+        if not isinstance(classes, list):
+            raise ValueError(f"{where}: field 'all_classes' must be a list or null, got "
+                             f"{classes!r:.80}")
         out.append(
             Sample(
                 task=name,
-                context=ctx_t.replace("{context}", r["context"]),
-                question=q_t.replace("{input}", r.get("input") or ""),
-                answer=[str(a) for a in answers],
-                target=str(answers[0]) if answers else "",
+                context=ctx_t.replace("{context}", _text(r, "context", where)),
+                question=q_t.replace("{input}", _text(r, "input", where, optional=True)),
+                answer=answers,
+                target=answers[0],
                 depth=None,
                 max_new_tokens=lb.DATASET_MAXLEN.get(name, 128),
                 metric=lb.DATASET_METRIC[name],
                 meta={
-                    "all_classes": list(r.get("all_classes") or []),
+                    "all_classes": [str(c) for c in classes],
+                    "line": line,
                     **{k: r[k] for k in ("_id", "length", "language") if k in r},
                 },
             )
         )
     return out
+
+
+# ---- benchmark files -------------------------------------------------------------------------
+
+BENCHMARKS = ("ruler", "longbench")
+
+
+def benchmark_files(kind: str, path: str | Path) -> list[Path]:
+    """The task files `--task kind:path` names: the file itself, or a directory's `*.jsonl`
+    (and, for RULER's layout `<dir>/<task>/validation.jsonl`, its subdirectories'
+    `validation.jsonl` / `test.jsonl`), sorted. Nothing there is an error."""
+    if kind not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {kind!r}; known: {', '.join(BENCHMARKS)}")
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"{kind}:{path}: no such file or directory")
+    files = sorted(path.glob("*.jsonl"))
+    if kind == "ruler":
+        files += sorted(f for f in path.glob("*/*.jsonl") if f.stem in ("validation", "test"))
+    if not files:
+        raise FileNotFoundError(f"{kind}:{path}: the directory holds no .jsonl task file")
+    return files
+
+
+def benchmark_task(kind: str, path: Path) -> str:
+    """A task file's name in records: `ruler:<task>` (RULER's directory name or the file's
+    stem), `longbench:<file stem>`."""
+    return f"{kind}:{ruler_task_name(path) if kind == 'ruler' else path.stem}"
+
+
+def load_benchmark(kind: str, path: str | Path) -> list[Sample]:
+    """The samples of one task file of `kind` (`BENCHMARKS`)."""
+    if kind == "ruler":
+        return load_ruler_jsonl(path)
+    if kind == "longbench":
+        return load_longbench_jsonl(path)
+    raise ValueError(f"unknown benchmark {kind!r}; known: {', '.join(BENCHMARKS)}")
+
+
+def sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes: which data a result was measured on."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def take_fraction(n: int, fraction: float, seed: int, name: str) -> list[int]:
+    """ceil(fraction n) of n sample indices, in file order: the first of a permutation
+    drawn from (seed, name), so a seed picks the same samples of a task every time, and a
+    larger fraction keeps a smaller one's samples (a sweep's cells stay comparable)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction={fraction} must be in (0, 1]")
+    k = math.ceil(fraction * n)
+    if k >= n:
+        return list(range(n))
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    return sorted(int(i) for i in rng.permutation(n)[:k])
 
 
 # ---- scoring -------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ class LayerwiseSelection(Method):
 
     Hooks the engine's token-selection prefill calls: `token_plan(n)` (the static plan),
     `token_scores(q, k, valid, kernels)` ([B, K, P] per-head prefix scores),
-    `init_exit(cfg, P)`, `exit_test(layer, s_P, valid_P, state, cfg)` -> (select now?,
+    `init_exit(cfg, P)`, `exit_test(layer, s_KP, valid_P, state, cfg)` -> (select now?,
     state, relative variance) and `exit_stats(state, relvar)`.
     """
 
@@ -154,8 +154,9 @@ class LayerwiseSelection(Method):
             return int(round(self.layer_of_32 * cfg.num_layers / 32))
         return self.select_layer
 
-    def exit_test(self, layer, s_P, valid_P, ex, cfg: ModelConfig):
-        """-> (select now?, exit state, relative variance or nan)."""
+    def exit_test(self, layer, s_KP, valid_P, ex, cfg: ModelConfig):
+        """From the layer's per-KV-head prefix scores [K, P] (padding -inf): (select now?,
+        exit state, relative variance or nan)."""
         return layer == self.fixed_layer(cfg), ex, jnp.float32(jnp.nan)
 
     def exit_stats(self, ex, relvar) -> dict:

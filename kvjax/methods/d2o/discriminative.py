@@ -1,45 +1,88 @@
 """D2O (Wan et al. 2025, "D2O: dynamic discriminative operations for efficient long-context
-inference of large language models"; D2O paper; docs/methods.md, "D2O").
+inference of large language models"; docs/methods.md, "D2O"), and the authors' code
+(AIoT-MLSys-Lab/d2o, `LLM_merge_new/LMEval_kv_token_merge/modeling_llama3_7b_13b_d2o.py`,
+"the code" below, with the layer ratios of `modeling_llama3_new.py:692-723`).
 
-Layer level (Eq. 4-5): F_v^l = variance over prompt columns of the layer's attention column
-sums (H2O's accumulated attention, computed blockwise by `kvjax.compress.scoring.cumulative_attention`,
-never [H, n, n]); per query head, then the mean over all query heads (so GQA does not
-enter the budget). alpha_l = L * softmax_l(-F_v), S_l = floor(alpha_l * budget) clipped to
-[T + 2, slots] -- `budget` is the average per layer (the paper's S * rho; kvpress's
-`--ratio r` gives budget = n (1 - r), i.e. rho = 1 - r). `variance_layers=False`: S_l = budget. The budgets are data computed in
-`finalize` (cross-layer), the cache has `slots = min(n, ceil(cap * budget))` slots
-(+1 decode slot); in the code variant alpha is clamped to [0.01, 1] (S_l <= n, capacity n)
-and layers 0, 1, L-1 keep everything.
+Two schedules (`evict_at`), one per variant:
 
-Token level (Eq. 6-9): accumulated attention (GQA: mean over the query heads of a KV head,
-as H2O here); every head keeps the first `sinks` positions (T), the M_l = max(1,
-floor((S_l - T) * recent_ratio)) most recent, and the top N_l = S_l - T - M_l of the rest.
-Paper N:M = 3:1 (recent_ratio 0.25), code 1:1 (0.5).
+`d2o` (the paper, `evict_at="prefill"`). Layer level (D2O paper, Eq. 4-5): F_v^l = variance
+over the prompt columns of the layer's attention column sums (H2O's accumulated attention,
+`kvjax.compress.scoring.cumulative_attention`, blockwise, never [H, n, n]), per query head,
+then the mean over the query heads (`variance="raw"`: population variance). S_l = alpha_l *
+budget with alpha_l = L * softmax_l(-F_v) (`budget` is the paper's rho * S, the average per
+layer). Each S_l lies in [T + 2, min(n, slots)], slots = min(n, ceil(cap * budget)) (the
+static cache size, `cap`). Open reading `cap_excess`: "redistribute" (default) water-fills
+-- S_l = clip(c * alpha_l * budget, lo, hi) with c chosen so that the S_l sum to budget * L
+(Eq. 13) -- then rounds to integers that keep the sum (floors, plus one for the largest
+fractional parts; `waterfill`); "drop" floors Eq. 5 and clips, so whatever the cap and the
+floors remove is lost. The stats report `budget_gap` = budget * L - sum S_l (0 under
+"redistribute" whenever the bounds allow the total). Layers kept whole (`full_first`,
+`full_last`; none in the paper) keep n and stay outside that sum. Token level (Eq. 6-8):
+every head keeps the first `sinks` positions (T), the M_l most recent and the top
+N_l = S_l - T - M_l of the rest by accumulated attention (GQA: mean over the query heads of
+a KV head). Open reading `recent_round`: M_l = max(1, floor((S_l - T) * recent_ratio)) ("floor",
+default) or ceil ("ceil"); N:M = 3:1 is recent_ratio 0.25. Merging (Eq. 9-12): each evicted
+key's nearest kept key of its head by cosine (RoPE'd keys, as cached); threshold tau per
+(layer, element, KV head) (`tau_scope="head"`): at the prompt tau_0 = mean over the evicted
+of their max similarity (Eq. 10, t = 0), at a decode step that evicts tau_t = beta *
+max(U_t) + (1 - beta) * tau_{t-1} (unchanged at steps without one); an evicted entry merges
+when its max similarity >= tau (tested after the update). Open reading `tau0`, for a head
+that evicted nothing at the prompt (S_l >= n): "one" (default) sets tau_0 = 1, so its first
+decode eviction merges only an exact duplicate; "first" leaves tau undefined, so its first
+eviction sets tau = its own max similarity (no EMA) and merges. Weights (`merge_kind`):
+  softmax (paper, Eq. 11-12): k_j <- (e k_j + sum_i exp(u_ij) k_i) / (e + sum_i exp(u_ij))
+  mean    (code, lines 376-404): k_j <- (k_j + sum_i u_ij k_i) / (1 + #merged into j)
+values with the same weights. The merged-into entry keeps its position and accumulated
+score (the paper says nothing about it); an evicted slot's score is reset. The prefill keeps
+each layer's whole prompt until `finalize`, because S_l needs every layer's F_v; the merge
+there compares every prompt entry with the S kept slots ([B, K, n, S], never [n, n]).
+`prefill_merge=False` evicts at the prompt without merging.
 
-Merging (Eq. 8-12): cosine similarity of each evicted key with the kept keys of its head
-(RoPE'd keys, as cached); nearest kept j; EMA threshold tau (per layer, element, KV head):
-prompt tau_0 = mean over the evicted of their max similarity; at a decode step with an
-eviction tau_t = beta * max(U_t) + (1 - beta) * tau_{t-1} (unchanged at steps without one).
-An evicted entry with max similarity >= tau (tau_t after the update, equivalent to >=
-tau_{t-1} for beta < 1) merges into j:
-  softmax (paper):  k_j <- (e k_j + sum_i exp(u_ij) k_i) / (e + sum_i exp(u_ij))
-  mean    (code):   k_j <- (k_j + sum_i u_ij k_i) / (1 + #merged into j)
-values with the same weights; otherwise it is discarded. Positions and validity of j do
-not change; its accumulated score is kept (the paper says nothing about it).
+`d2o_code` (the code, `evict_at="first_step"`). Layer level (lines 630-640 and
+`modeling_llama3_new.py:706-723`): each query head's *unbiased* variance of its column sums
+(`attn_sum.var(dim=-1)`), min-max normalised across the heads of the layer
+(`(v - min) / (max - min + 1e-6)`), then the mean over heads (`variance="head_minmax"`);
+r_l = clamp(L * softmax_l(-F_v) * rho, 0.01, 1) with rho = budget / n; the excess over the
+clamp is dropped, as in the code (`budget_gap` reports it). Nothing is evicted at the prompt
+(the cache holds all n entries). At the first extension of the cache (the first decoding
+step; context-only: the question chunk) the layer sizes are taken from the S entries live
+then (n + 1; lines 323-327): H_l = floor(S * r_l * (1 - recent_ratio)) heavy entries with
+the T sinks among them, M_l = floor(S * r_l * recent_ratio) recent, S_l = H_l + M_l; and
+one bulk eviction *with merging* cuts each layer to S_l (lines 338-404, 646-657). Later
+steps evict one entry per new token (lines 660-667). Layers `< full_first` and `>= L -
+full_last` are never compressed (line 653: layers 0, 1 and L-1; the code applies the same
+indices to its 32- and 40-layer models, so the rule is a count from each end, not a
+fraction of the depth: the first two and the last layer at every depth). A layer whose S_l
+>= S evicts nothing at the first step and is never compressed again (no branch of lines
+646-667 fires for it). One threshold per (layer, element) (`tau_scope="layer"`, line 311):
+tau_0 = the mean over heads and evicted entries of their max similarity (line 371), then
+tau_t = (1 - beta) tau_{t-1} + beta * mean (line 375; the code's alpha = belta = 0.5);
+the p-th evicted entry of every head (position order) merges when the mean over heads of
+their max similarities is >= tau (line 376), so at a decode step all heads merge or none.
 
-Prefill: D2O's hook keeps the layer's full prompt (k, v, accumulated scores) until
-`finalize`, because the per-layer budget needs every layer's F_v (the same memory as the
-`full` prefill; the merge there builds [B, K, n, n] similarities -- fine at 2-8k, not at
-128k). `prefill_merge=False` evicts at prefill without merging (the authors' code does no
-prefill merge; it also does no prefill *eviction*, which a fixed-capacity cache cannot
-express: here the prompt is cut to S_l at prefill in both variants).
+Deviations from the code: the cache is per KV head (the code repeats
+GQA keys per query head and evicts per query head; identical for MHA; here GQA scores are
+the mean over the group); a layer whose S_l is n or n - 1 re-enters the code's first-step
+branch at later steps (line 646) and adds the prompt's column sums again, misaligned with
+its compacted cache -- here it evicts one entry per step like every other layer; the
+ratios are fp32 (the code computes them in the model's dtype); H_l is raised to T when the
+floors give fewer (the code would keep H_l of the T sinks).
 
-Decode (inside the jitted loop, `DecodeEviction` hooks): the new token's attention is added
-to the scores, the lowest-scoring evictable entry (not a sink, not among the M_l newest) of
-each head goes when live > S_l, and is merged into its nearest kept slot (only that row
-of the cache is rewritten) or discarded. Method state: acc [L,B,K,C], tau [L,B,K], budgets
-S_l [L,B], recent M_l [L,B], merges / discards [L,B] counters (decode only; the prefill's
-are in the stats).
+Fixed shapes. `d2o_code` allocates n + question + max_new slots (its whole layers grow) and
+its decode hook runs the bulk step under `lax.cond` on a step counter (`steps`, counted by
+`after_step`), so the program compiles once. The bulk step's nearest-neighbour search is
+blockwise over the sources (`nearest_blocked`, [block, C] at once); its merge rewrites the
+layer's rows, so the hook returns `Rows` of C rows at every step (the other steps fill one
+row per new token and drop the rest): a per-layer row scatter, never a copy of the cache,
+but C rows where `d2o` writes one (measured on CPU, the bundled model, n = 2048, the same
+2248 slots: ~1.3-1.6x the `d2o` step; a one-off engine hook for the first step would
+remove it). `d2o` keeps the decode step of a plain evictor: at most T (new tokens)
+entries per head go per step, U_t is [B, K, T, C], and only the merge targets' rows are
+written.
+
+Method state: acc [L,B,K,C], tau [L,B,K] ("head") or [L,B] ("layer"), budget S_l and
+recent M_l [L,B], whole [L,B] (layers kept whole), merges / discards [L,B] (decode only;
+the prefill's are in the stats); `d2o_code` adds ratio r_l, sized_from S [L,B] and steps.
 """
 
 from __future__ import annotations
@@ -50,37 +93,76 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.compress import scoring, selection
 from kvjax.compress.eviction import DecodeEviction, query_sum
-from kvjax.compress.layer import LayerIO, LayerKV
+from kvjax.compress.layer import LayerIO, LayerKV, Rows
 from kvjax.config import ModelConfig
-from kvjax.methods.d2o.merging import MERGES, merge, nearest
+from kvjax.methods.d2o.merging import MERGES, merge, nearest, nearest_blocked
 from kvjax.methods.registry import register
 
-VARIANCES = ("raw", "minmax")
+VARIANCES = ("raw", "head_minmax")
+CAP_EXCESS = ("redistribute", "drop")
+TAU0 = ("one", "first")
+ROUNDINGS = ("floor", "ceil")
+TAU_SCOPES = ("head", "layer")
+EVICT_AT = ("prefill", "first_step")
+
+
+def waterfill(a_L, lo, hi, target):
+    """Integer sizes s [L] in [lo, hi] summing to `target`, proportional to a [L] where the
+    bounds allow: x_l = clip(c * a_l, lo, hi) with the c that makes sum x_l = target (a
+    capped layer's excess goes to the uncapped ones in proportion to their a_l), then the
+    floors plus one for the `target - sum floors` largest fractional parts (the lower layer
+    first on ties). sum_l clip(c a_l) is piecewise linear in c with kinks at lo / a_l and
+    hi / a_l, so c is found exactly on the kink between which the target lies. A target
+    outside [L lo, L hi] puts every layer on the bound it crosses."""
+    L = a_L.shape[0]
+    a = jnp.maximum(a_L.astype(jnp.float32), 1e-30)
+    lo_f, hi_f, t = (jnp.asarray(x, jnp.float32) for x in (lo, hi, target))
+    kinks = jnp.sort(jnp.concatenate([lo_f / a, hi_f / a]))  # [2L]
+    f = jnp.sum(jnp.clip(kinks[:, None] * a[None], lo_f, hi_f), axis=1)  # nondecreasing
+    i = jnp.clip(jnp.searchsorted(f, t), 1, 2 * L - 1)  # the first kink with f >= t
+    c0, c1, f0, f1 = kinks[i - 1], kinks[i], f[i - 1], f[i]
+    c = jnp.clip(c0 + (t - f0) * (c1 - c0) / jnp.maximum(f1 - f0, 1e-30), kinks[0], kinks[-1])
+    x = jnp.clip(c * a, lo_f, hi_f)
+    fl = jnp.floor(x)
+    s = fl.astype(jnp.int32)
+    room = s < jnp.asarray(hi, jnp.int32)
+    d = jnp.clip(jnp.asarray(target, jnp.int32) - jnp.sum(s), 0, jnp.sum(room))
+    order = jnp.argsort(-jnp.where(room, x - fl, -1.0), stable=True)
+    rank = jnp.zeros(L, jnp.int32).at[order].set(jnp.arange(L, dtype=jnp.int32))
+    return s + (rank < d)
 
 
 @register
 @dataclasses.dataclass(frozen=True)
 class D2O(DecodeEviction):
-    """D2O, paper defaults: variance-softmax layer budgets, T=4 sinks, N:M = 3:1, EMA
-    threshold (beta 0.7) merging with softmax weights, at prefill and every decode step."""
+    """D2O, paper defaults (D2O paper Sec. 4-5): variance-softmax layer sizes summing to
+    budget * L (Eq. 5, 13), T=4 sinks, N:M = 3:1, EMA-threshold (beta 0.7) merging with
+    softmax weights (Eq. 9-12), at the prompt and at every decoding step. See the module
+    docstring for every parameter and open reading."""
 
     name: ClassVar[str] = "d2o"
     forced_what: ClassVar[str] = "the sinks and recent window"
     budget: int = 128
     sinks: int = 4
     recent_ratio: float = 0.25  # M / (N + M): N:M = 3:1
+    recent_round: str = "floor"  # open reading: M_l = floor or ceil((S_l - T) * ratio)
     beta: float = 0.7
     merge: bool = True
     merge_kind: str = "softmax"
     prefill_merge: bool = True
+    tau0: str = "one"  # open reading: tau_0 of a head that evicted nothing at the prompt
+    tau_scope: str = "head"  # "layer": one threshold per layer on the mean over heads (code)
     variance_layers: bool = True  # Eq. 4-5 layer sizes S_l; False: S_l = budget
     variance: str = "raw"
-    cap: float = 2.0  # slots = min(n, ceil(cap * budget)) (the largest layer budget)
-    alpha_clamp: bool = False  # code: alpha_l * rho clamped to [0.01, 1]
-    full_edge_layers: bool = False  # code: layers 0, 1, L-1 keep everything
+    cap: float = 2.0  # static slots = min(n, ceil(cap * budget)): the largest S_l
+    cap_excess: str = "redistribute"  # open reading: "drop" loses what the cap cuts
+    evict_at: str = "prefill"  # "first_step": the code's schedule (module docstring)
+    full_first: int = 0  # layers l < full_first are never compressed (code: 2)
+    full_last: int = 0  # layers l >= L - full_last are never compressed (code: 1)
     gqa: str = "mean"
     block: int = 256
 
@@ -89,20 +171,134 @@ class D2O(DecodeEviction):
         return self.sinks + 1
 
     def validate(self, n: int, cfg: ModelConfig) -> None:
-        if self.merge_kind not in MERGES:
-            raise ValueError(f"merge_kind={self.merge_kind!r}; allowed: {MERGES}")
-        if self.variance not in VARIANCES:
-            raise ValueError(f"variance={self.variance!r}; allowed: {VARIANCES}")
+        for field, allowed in (("merge_kind", MERGES), ("variance", VARIANCES),
+                               ("cap_excess", CAP_EXCESS), ("tau0", TAU0),
+                               ("recent_round", ROUNDINGS), ("tau_scope", TAU_SCOPES),
+                               ("evict_at", EVICT_AT)):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"{field}={getattr(self, field)!r}; allowed: {allowed}")
         if not 0 < self.recent_ratio < 1:
             raise ValueError(f"recent_ratio={self.recent_ratio} outside (0, 1)")
         if not 0 <= self.beta <= 1:
             raise ValueError(f"beta={self.beta} outside [0, 1]")
+        if not self.cap > 0:
+            raise ValueError(f"cap={self.cap} must be > 0")
+        if self.full_first < 0 or self.full_last < 0 or (
+                self.full_first + self.full_last >= cfg.num_layers):
+            raise ValueError(
+                f"full_first={self.full_first}, full_last={self.full_last}: each >= 0 and "
+                f"together < num_layers={cfg.num_layers} (at least one compressed layer)")
         super().validate(n, cfg)
 
+    # ---- shapes -------------------------------------------------------------------------
+
+    def whole_layers(self, L: int) -> np.ndarray:
+        """[L] bool: the layers never compressed, `full_first` from the front and `full_last`
+        from the back at every depth (the code's layers 0, 1 and L-1: (2, 1))."""
+        layer = np.arange(L)
+        return (layer < self.full_first) | (layer >= L - self.full_last)
+
+    def _grows(self) -> bool:
+        """Some layer may keep every entry and grow while decoding."""
+        return self.evict_at == "first_step" or self.full_first > 0 or self.full_last > 0
+
     def kept_slots(self, n: int) -> int:
-        if self.full_edge_layers or self.alpha_clamp:
+        if self._grows():
             return n
         return min(n, math.ceil(self.cap * self.budget))
+
+    def decode_capacity(self, kept: int, question: int, max_new: int) -> int:
+        if self._grows():
+            return kept + question + max_new
+        return super().decode_capacity(kept, question, max_new)
+
+    # ---- layer sizes --------------------------------------------------------------------
+
+    def layer_variance(self, acc, valid):
+        """F_v [B] of one layer from its per-query-head column sums acc [B, K, G, T] over the
+        valid prompt columns valid [B, T] (Eq. 4; `variance` in the module docstring)."""
+        B = acc.shape[0]
+        cols = valid[:, None, None, :]
+        cnt = jnp.sum(valid, axis=-1)[:, None, None].astype(jnp.float32)
+        mean = jnp.sum(jnp.where(cols, acc, 0.0), axis=-1) / jnp.maximum(cnt, 1.0)
+        ss = jnp.sum(jnp.where(cols, (acc - mean[..., None]) ** 2, 0.0), axis=-1)
+        if self.variance == "raw":
+            return jnp.mean((ss / jnp.maximum(cnt, 1.0)).reshape(B, -1), axis=-1)
+        var = (ss / jnp.maximum(cnt - 1.0, 1.0)).reshape(B, -1)  # torch.var: unbiased
+        lo, hi = jnp.min(var, axis=-1, keepdims=True), jnp.max(var, axis=-1, keepdims=True)
+        return jnp.mean((var - lo) / (hi - lo + 1e-6), axis=-1)
+
+    def layer_sizes(self, fv_LB, n_B, slots: int):
+        """The paper's S_l [L, B] (int32) and budget_gap [B] = budget * (compressed layers) -
+        their sum S_l, from F_v [L, B] and the prompt lengths n [B] (Eq. 5 and 13;
+        `cap_excess`). Whole layers (`whole_layers`) keep n and are outside the sum."""
+        L, B = fv_LB.shape
+        whole = self.whole_layers(L)
+        comp = np.flatnonzero(~whole)
+        alpha = (L * jax.nn.softmax(-fv_LB, axis=0) if self.variance_layers
+                 else jnp.ones((L, B), jnp.float32))
+        a = alpha * self.budget
+        lo = self.forced + 1
+        target = self.budget * len(comp)
+        if self.cap_excess == "drop":
+            s = jnp.clip(jnp.floor(a).astype(jnp.int32), lo, n_B[None])
+            s = jnp.minimum(s, slots)
+        else:
+            hi = jnp.minimum(n_B, slots)
+            fill = jax.vmap(waterfill, in_axes=(1, None, 0, None), out_axes=1)
+            s = jnp.zeros((L, B), jnp.int32).at[comp].set(fill(a[comp], lo, hi, target))
+        s = jnp.where(jnp.asarray(whole)[:, None], n_B[None], s)
+        return s, target - jnp.sum(s[comp], axis=0)
+
+    def recent_count(self, s_LB):
+        """M_l = max(1, floor or ceil((S_l - T) * recent_ratio)) (Eq. 7-8; `recent_round`)."""
+        x = (s_LB - self.sinks) * self.recent_ratio
+        x = jnp.ceil(x) if self.recent_round == "ceil" else jnp.floor(x)
+        return jnp.maximum(1, x.astype(jnp.int32))
+
+    def code_ratios(self, fv_LB, n_B):
+        """r_l = clamp(L * softmax(-F_v) * rho, 0.01, 1), rho = budget / n (the code's
+        `modeling_llama3_new.py:706-714`; `variance_layers=False`: r_l = rho)."""
+        L = fv_LB.shape[0]
+        rho = self.budget / n_B.astype(jnp.float32)
+        if not self.variance_layers:
+            return jnp.broadcast_to(rho[None], fv_LB.shape)
+        return jnp.clip(jax.nn.softmax(-fv_LB, axis=0) * L * rho[None], 0.01, 1.0)
+
+    # ---- the threshold and the merge decision -------------------------------------------
+
+    def threshold(self, gone, u, prev, initial: bool):
+        """tau after an eviction of `gone` [B, K, E] with max similarities u [B, K, E]; prev
+        [B, K] ("head") or [B] ("layer"), NaN: undefined. `initial`: the first eviction of
+        the schedule (the prompt; the code's first step): the mean of u (Eq. 10, t = 0);
+        otherwise the EMA of max u ("head", Eq. 10) or of the mean over heads ("layer",
+        the code's `max_values.mean()`), started from the statistic when prev is NaN.
+        Unchanged where nothing was evicted."""
+        if self.tau_scope == "head":
+            cnt = jnp.sum(gone, axis=-1)
+            stat = (jnp.sum(jnp.where(gone, u, 0.0), axis=-1) / jnp.maximum(cnt, 1) if initial
+                    else jnp.max(jnp.where(gone, u, -jnp.inf), axis=-1))
+        else:
+            cnt = jnp.sum(gone, axis=(-2, -1))
+            stat = jnp.sum(jnp.where(gone, u, 0.0), axis=(-2, -1)) / jnp.maximum(cnt, 1)
+        upd = stat if initial else jnp.where(
+            jnp.isnan(prev), stat, self.beta * stat + (1 - self.beta) * prev)
+        return jnp.where(cnt > 0, upd, prev)
+
+    def merging(self, gone, u, tau):
+        """Which of the evicted `gone` [B, K, E] (each head's in position order) merge:
+        u >= tau per head ("head"), or, per rank p, the mean over the heads of their p-th
+        evicted entry's u >= tau ("layer", the code's line 376)."""
+        if self.tau_scope == "head":
+            return gone & (u >= tau[..., None])
+        B, K, E = gone.shape
+        rank = jnp.where(gone, jnp.cumsum(gone, axis=-1) - 1, E)
+        b = jnp.arange(B)[:, None, None]
+        tot = jnp.zeros((B, E)).at[b, rank].add(jnp.where(gone, u, 0.0), mode="drop")
+        cnt = jnp.zeros((B, E)).at[b, rank].add(gone.astype(jnp.float32), mode="drop")
+        mean = tot / jnp.maximum(cnt, 1.0)
+        return gone & (jnp.take_along_axis(mean, jnp.minimum(rank, E - 1).reshape(B, -1),
+                                           axis=-1).reshape(B, K, E) >= tau[:, None, None])
 
     # ---- prefill ------------------------------------------------------------------------
 
@@ -110,51 +306,28 @@ class D2O(DecodeEviction):
         valid = io.valid[:, 0]
         acc = scoring.cumulative_attention(io.q, io.k, io.qpos, valid, io.pos, io.valid,
                                            self.block)  # [B, K, G, T]
-        B, K, G, T = acc.shape
-        cols = valid[:, None, None, :]
-        x = acc
-        if self.variance == "minmax":
-            lo = jnp.min(jnp.where(cols, x, jnp.inf), axis=-1, keepdims=True)
-            hi = jnp.max(jnp.where(cols, x, -jnp.inf), axis=-1, keepdims=True)
-            x = (x - lo) / jnp.maximum(hi - lo, 1e-12)
-        cnt = jnp.maximum(jnp.sum(valid, axis=-1), 1)[:, None, None]
-        mean = jnp.sum(jnp.where(cols, x, 0.0), axis=-1) / cnt
-        var = jnp.sum(jnp.where(cols, (x - mean[..., None]) ** 2, 0.0), axis=-1) / cnt
-        fv = jnp.mean(var.reshape(B, -1), axis=-1)  # [B]
         red = jnp.where(io.valid, scoring.gqa_reduce(acc, self.gqa), 0.0)
-        return io.kv, (red, fv), state  # finalize needs every layer's F_v
-
-    def budgets(self, fv_LB, n_B):
-        """S_l [L, B] from F_v [L, B] and the real prompt lengths [B]."""
-        L = fv_LB.shape[0]
-        n = n_B[None].astype(jnp.float32)
-        if not self.variance_layers:
-            s = jnp.full(fv_LB.shape, float(self.budget))
-        else:
-            a = L * jax.nn.softmax(-fv_LB, axis=0)
-            if self.alpha_clamp:
-                s = jnp.clip(a * self.budget / n, 0.01, 1.0) * n
-            else:
-                s = a * self.budget
-        s = jnp.floor(s).astype(jnp.int32)
-        s = jnp.clip(s, self.forced + 1, n_B[None])
-        if self.full_edge_layers:
-            for l in (0, 1, L - 1):
-                s = s.at[l].set(n_B)
-        return s
-
-    def recent_count(self, s_LB):
-        return jnp.maximum(1, jnp.floor((s_LB - self.sinks) * self.recent_ratio)
-                           .astype(jnp.int32))
+        return io.kv, (red, self.layer_variance(acc, valid)), state  # finalize: every F_v
 
     def finalize(self, kv: LayerKV, aux, state):
-        k, v, pos, valid = kv.k, kv.v, kv.pos, kv.valid  # [L, B, K, T, ...]
         acc, fv = aux  # [L, B, K, T], [L, B]
-        L, B, K, T = pos.shape
+        L, B, K, T = kv.pos.shape
+        n_B = jnp.sum(kv.valid[0, :, 0], axis=-1, dtype=jnp.int32)
+        whole = jnp.broadcast_to(jnp.asarray(self.whole_layers(L))[:, None], (L, B))
+        z = jnp.zeros((L, B), jnp.int32)
+        tau_shape = (L, B, K) if self.tau_scope == "head" else (L, B)
+        if self.evict_at == "first_step":
+            r = self.code_ratios(fv, n_B)
+            state = {"acc": acc, "tau": jnp.full(tau_shape, jnp.nan, jnp.float32), "ratio": r,
+                     "budget": z, "recent": z, "whole": whole, "sized_from": z,
+                     "prompt": n_B, "steps": jnp.int32(0), "merges": z, "discards": z}
+            live = jnp.sum(kv.valid, axis=-1, dtype=jnp.int32)
+            return kv, state, {"layer_budgets": jnp.moveaxis(live, 1, 0),
+                               "layer_ratios": jnp.moveaxis(r, 1, 0)}
         S = self.kept_slots(T)
-        n_B = jnp.sum(valid[0, :, 0], axis=-1, dtype=jnp.int32)
-        s_LB = jnp.minimum(self.budgets(fv, n_B), S)
+        s_LB, gap = self.layer_sizes(fv, n_B, S)
         m_LB = self.recent_count(s_LB)
+        tau_init = 1.0 if self.tau0 == "one" else jnp.nan
 
         def layer(k, v, pos, valid, acc, s_B, m_B):
             top = jnp.max(jnp.where(valid, pos, -1), axis=-1, keepdims=True)
@@ -166,27 +339,26 @@ class D2O(DecodeEviction):
             # gather first, then merge every prompt entry against the S kept slots:
             # [B, K, T, S] similarities, not [B, K, T, T]
             g = selection.compact(LayerKV(k, v, pos, valid), idx, live)
-            gk, gv, gvalid = g.k, g.v, g.valid
-            near = nearest(gk, gvalid, k)
-            ng = jnp.sum(gone, axis=-1)
-            tau = jnp.where(ng > 0, jnp.sum(jnp.where(gone, near[1], 0.0), -1)
-                            / jnp.maximum(ng, 1), 1.0)
-            gk, gv, merged, _ = merge(gk, gv, gvalid, k, v, gone, tau, self.merge_kind,
-                                      self.merge and self.prefill_merge, near)
-            g = LayerKV(gk, gv, g.pos, gvalid)
-            a = jnp.where(gvalid, jnp.take_along_axis(acc, idx, axis=-1), 0.0)
+            near = nearest(g.k, g.valid, k)
+            tau = self.threshold(gone, near[1], jnp.full(tau_shape[1:], tau_init, jnp.float32),
+                                 True)
+            ok = self.merging(gone, near[1], tau)
+            gk, gv, merged, _ = merge(g.k, g.v, g.valid, k, v, gone, tau, self.merge_kind,
+                                      self.merge and self.prefill_merge, near, ok=ok)
+            a = jnp.where(g.valid, jnp.take_along_axis(acc, idx, axis=-1), 0.0)
             nm = jnp.sum(merged, axis=(-1, -2))
-            return g, a, tau, nm, jnp.sum(gone, axis=(-1, -2)) - nm
+            return (LayerKV(gk, gv, g.pos, g.valid), a, tau, nm,
+                    jnp.sum(gone, axis=(-1, -2)) - nm)
 
-        g, a, tau, nm, nd = jax.vmap(layer)(k, v, pos, valid, acc, s_LB, m_LB)
-        z = jnp.zeros((L, B), jnp.int32)
-        state = {"acc": a, "tau": tau, "budget": s_LB, "recent": m_LB, "merges": z,
-                 "discards": z}
+        g, a, tau, nm, nd = jax.vmap(layer)(kv.k, kv.v, kv.pos, kv.valid, acc, s_LB, m_LB)
+        state = {"acc": a, "tau": tau, "budget": s_LB, "recent": m_LB, "whole": whole,
+                 "merges": z, "discards": z}
         live = jnp.sum(g.valid, axis=-1, dtype=jnp.int32)
         stats = {"layer_budgets": jnp.moveaxis(live, 1, 0),  # [B, L, K] live after prefill
                  "layer_sizes": jnp.moveaxis(s_LB, 1, 0),  # [B, L]: S_l
-                 "prefill_merges": jnp.moveaxis(nm, 1, 0), "prefill_discards":
-                 jnp.moveaxis(nd, 1, 0), "tau0": jnp.moveaxis(tau, 1, 0)}
+                 "budget_gap": gap,  # [B]: budget * L - sum S_l (what bounds still drop)
+                 "prefill_merges": jnp.moveaxis(nm, 1, 0),
+                 "prefill_discards": jnp.moveaxis(nd, 1, 0), "tau0": jnp.moveaxis(tau, 1, 0)}
         return g, state, stats
 
     def pad_state(self, st, capacity: int):
@@ -195,52 +367,123 @@ class D2O(DecodeEviction):
 
     # ---- decode -------------------------------------------------------------------------
 
+    def after_step(self, cfg: ModelConfig, cache, st):
+        return {**st, "steps": st["steps"] + 1} if "steps" in st else st
+
     def decode_layer(self, io: LayerIO, probs, st):
         take, put = io.at_layer, io.set_layer
-        add = scoring.gqa_reduce(query_sum(probs, io.qvalid), self.gqa)  # [B, K, C]
-        acc = take(st["acc"]) + add
-        s_B, m_B = take(st["budget"]), take(st["recent"])
+        acc = take(st["acc"]) + scoring.gqa_reduce(query_sum(probs, io.qvalid), self.gqa)
+        lay = {key: take(st[key]) for key in ("tau", "budget", "recent", "whole")}
+        if self.evict_at == "prefill":
+            k, v, kept, acc, new, nm, nd = self._evict(io, acc, lay, pad=False)
+        else:  # the first extension evicts in bulk; one compiled program for both
+            lay["ratio"], lay["sized_from"] = take(st["ratio"]), take(st["sized_from"])
+            k, v, kept, acc, new, nm, nd = jax.lax.cond(
+                st["steps"] == 0, lambda: self._bulk(io, acc, lay),
+                lambda: self._evict(io, acc, lay, pad=True))
+        st = {**st, "acc": put(st["acc"], acc), **{key: put(st[key], x) for key, x in new.items()},
+              "merges": put(st["merges"], take(st["merges"]) + nm),
+              "discards": put(st["discards"], take(st["discards"]) + nd)}
+        # positions never change: returned as they came, so the engine writes nothing back
+        return LayerKV(k, v, io.pos, kept), st
+
+    def _evict(self, io: LayerIO, acc, lay, pad: bool):
+        """One decoding step (or a later chunk) of one layer: the `live - S_l` lowest-scoring
+        evictable entries of each head go (at most T, the new tokens), and merge or are
+        discarded (Eq. 8-12; the code's lines 338-404 with one entry)."""
         top = jnp.max(jnp.where(io.valid, io.pos, -1), axis=-1, keepdims=True)
-        evictable = io.valid & (io.pos >= self.sinks) & (io.pos <= top - m_B[:, None, None])
+        evictable = (io.valid & (io.pos >= self.sinks)
+                     & (io.pos <= top - lay["recent"][:, None, None]))
         live = jnp.sum(io.valid, axis=-1, dtype=jnp.int32)
-        excess = jnp.maximum(live - s_B[:, None], 0)
-        T = min(io.q.shape[1], io.k.shape[-2])
+        excess = jnp.where(lay["whole"][:, None], 0, jnp.maximum(live - lay["budget"][:, None], 0))
+        C = io.k.shape[-2]
+        T = min(io.q.shape[1], C)
         gone = selection.evict_lowest(acc, evictable, excess, T)
         kept = io.valid & ~gone
-        tau_prev = take(st["tau"])
-        # at most T entries of a head go per step: their slots, then U_t (their
+        # at most T entries of a head go per step: their slots by position, then U_t (their
         # similarities with the kept ones) -- [B, K, T, C], never [B, K, C, C]
         src = (jnp.argmax(gone, axis=-1)[..., None] if T == 1  # XLA:CPU's top_k sorts: 1 ms
-               else jax.lax.top_k(gone.astype(jnp.int32), T)[1])  # [B, K, T]
+               else jax.lax.top_k(jnp.where(gone, -io.pos.astype(jnp.float32), -jnp.inf), T)[1])
         ks, vs = (jnp.take_along_axis(x, src[..., None], axis=-2) for x in (io.k, io.v))
         near = nearest(io.k, kept, ks)
         gone_src = jnp.take_along_axis(gone, src, axis=-1)
-        umax = jnp.max(jnp.where(gone_src, near[1], -jnp.inf), axis=-1)  # [B, K]
-        any_gone = jnp.any(gone, axis=-1)
-        tau = jnp.where(any_gone, self.beta * umax + (1 - self.beta) * tau_prev, tau_prev)
+        tau = self.threshold(gone_src, near[1], lay["tau"], False)
+        ok = self.merging(gone_src, near[1], tau)
         k, v, merged, _ = merge(io.k, io.v, kept, ks, vs, gone_src, tau, self.merge_kind,
-                                self.merge, near, rows=True)
+                                self.merge, near, rows=True, ok=ok)
+        if pad and not isinstance(k, Rows):  # merge=False: no row changes
+            nothing = Rows(jnp.full(src.shape, C, jnp.int32),
+                           jnp.zeros((*src.shape, io.k.shape[-1]), io.k.dtype))
+            k, v = nothing, nothing
+        if pad:  # the bulk step's shape: C rows, the rest dropped (index C)
+            k, v = (Rows(jnp.pad(r.idx, [(0, 0), (0, 0), (0, C - T)], constant_values=C),
+                         jnp.pad(r.new, [(0, 0), (0, 0), (0, C - T), (0, 0)])) for r in (k, v))
         nm = jnp.sum(merged, axis=(-1, -2), dtype=jnp.int32)
         nd = jnp.sum(gone, axis=(-1, -2), dtype=jnp.int32) - nm
-        st = {**st, "acc": put(st["acc"], jnp.where(gone, 0.0, acc)),
-              "tau": put(st["tau"], tau),
-              "merges": put(st["merges"], take(st["merges"]) + nm),
-              "discards": put(st["discards"], take(st["discards"]) + nd)}
-        return LayerKV(k, v, io.pos, kept), st
+        new = {"tau": tau} if not pad else {**{x: lay[x] for x in lay}, "tau": tau}
+        return k, v, kept, jnp.where(gone, 0.0, acc), new, nm, nd
+
+    def _bulk(self, io: LayerIO, acc, lay):
+        """The code's first step (lines 323-327, 338-404 after 646-657): sizes from the S
+        live entries, then each head keeps its T sinks, its M_l newest and the top H_l - T
+        of the rest; every other entry merges into its nearest kept one (decided on the
+        layer's threshold) or is discarded."""
+        B, K, C, _ = io.k.shape
+        S = jnp.sum(io.valid[:, 0], axis=-1, dtype=jnp.int32)  # [B] (all heads alike)
+        r = lay["ratio"]
+        Sf = S.astype(jnp.float32)
+        hh = jnp.floor((r * (1 - self.recent_ratio)) * Sf).astype(jnp.int32)
+        m = jnp.floor((r * self.recent_ratio) * Sf).astype(jnp.int32)
+        s = jnp.maximum(hh, self.sinks) + m
+        whole = lay["whole"] | (s >= S)
+        top = jnp.max(jnp.where(io.valid, io.pos, -1), axis=-1, keepdims=True)
+        forced = io.valid & ((io.pos < self.sinks) | (io.pos > top - m[:, None, None]))
+        sc = jnp.where(forced, jnp.inf, jnp.where(io.valid, acc, -jnp.inf))
+        order = jax.lax.top_k(sc, C)[1]  # best first
+        keep = selection.mark(io.valid.shape, order, jnp.arange(C) < s[:, None, None])
+        keep = jnp.where(whole[:, None, None], io.valid, keep & io.valid)
+        gone = io.valid & ~keep
+        near = nearest_blocked(io.k, keep, self.block)
+        tau = self.threshold(gone, near[1], lay["tau"], True)
+        ok = self.merging(gone, near[1], tau)
+        k, v, merged, _ = merge(io.k, io.v, keep, io.k, io.v, gone, tau, self.merge_kind,
+                                self.merge, near, ok=ok)
+        idx = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, K, C))
+        nm = jnp.sum(merged, axis=(-1, -2), dtype=jnp.int32)
+        nd = jnp.sum(gone, axis=(-1, -2), dtype=jnp.int32) - nm
+        new = {**lay, "tau": tau, "budget": s, "recent": m, "whole": whole, "sized_from": S}
+        return Rows(idx, k), Rows(idx, v), keep, jnp.where(gone, 0.0, acc), new, nm, nd
+
+    def decode_stats(self, host, st) -> dict:
+        """`d2o_code`: the sizes decided at the first step ([B, L]; whole layers: S, the
+        entries they held then), whole layers, and budget_gap [B] = rho * S * L - sum S_l
+        (the clamp, the floors and the whole layers); {} before any step."""
+        if "steps" not in st or int(st["steps"]) == 0:
+            return {}
+        whole = np.asarray(st["whole"])
+        S = np.asarray(st["sized_from"])
+        s = np.where(whole, S, np.asarray(st["budget"]))
+        L = s.shape[0]
+        rho_S = self.budget * S[0] / np.asarray(st["prompt"])  # rho * S, rho = budget / n
+        return {"layer_sizes": s.T.tolist(), "layer_whole": whole.T.tolist(),
+                "budget_gap": (rho_S * L - s.sum(0)).tolist()}
 
 
 @register
 @dataclasses.dataclass(frozen=True)
 class D2OCode(D2O):
-    """D2O as in the authors' code (AIoT-MLSys-Lab/d2o): 1:1 heavy:recent, beta 0.5, mean
-    merge, min-max normalised variance, alpha clamped to [0.01, 1], layers 0, 1, L-1
-    uncompressed, no prefill merge (see the module docstring for the prefill eviction)."""
+    """D2O as the authors' code runs it (AIoT-MLSys-Lab/d2o, modeling_llama3_7b_13b_d2o.py):
+    no eviction at the prompt, one bulk eviction with merging at the first decoding step
+    from sizes of S = n + 1, one per step after; the code's variance and clamped ratios;
+    1:1 heavy:recent, beta 0.5, mean merge, one threshold per layer; layers 0, 1, L-1
+    never compressed (the module docstring has the line numbers)."""
 
     name: ClassVar[str] = "d2o_code"
     recent_ratio: float = 0.5
     beta: float = 0.5
     merge_kind: str = "mean"
-    prefill_merge: bool = False
-    variance: str = "minmax"
-    alpha_clamp: bool = True
-    full_edge_layers: bool = True
+    tau_scope: str = "layer"
+    variance: str = "head_minmax"
+    evict_at: str = "first_step"
+    full_first: int = 2
+    full_last: int = 1

@@ -1,5 +1,8 @@
-"""D2O's merging (D2O paper Eq. 8-12): each evicted key's nearest kept key by cosine
-similarity, and the weighted merge of the evicted entries into it."""
+"""D2O's merging (D2O paper Eq. 9-12): each evicted key's nearest kept key by cosine
+similarity (`nearest`; `nearest_blocked` for the authors' code's first-step bulk eviction),
+and the weighted merge of the evicted entries into it (`merge`: the paper's softmax weights,
+Eq. 11-12, or the code's similarity-weighted `scatter_reduce(mean, include_self)`,
+modeling_llama3_7b_13b_d2o.py:401-404 in AIoT-MLSys-Lab/d2o)."""
 
 from __future__ import annotations
 
@@ -32,6 +35,26 @@ def nearest(k, kept, ks):
     return jnp.argmax(u, axis=-1), jnp.max(u, axis=-1)
 
 
+def nearest_blocked(k, kept, block: int):
+    """`nearest(k, kept, k)`: every slot as a source against the `kept` slots of its head,
+    `block` sources at a time (`lax.map`), so the similarities held at once are
+    [..., block, C], never [..., C, C]. k [B, K, C, D]; returns (j, maxsim) [B, K, C]."""
+    B, K, C, D = k.shape
+    blk = max(1, min(block, C))
+    nb = -(-C // blk)
+    kn = k.astype(jnp.float32)
+    kn = kn / jnp.maximum(jnp.linalg.norm(kn, axis=-1, keepdims=True), 1e-6)
+    src = jnp.pad(kn, [(0, 0), (0, 0), (0, nb * blk - C), (0, 0)])
+    src = jnp.moveaxis(src.reshape(B, K, nb, blk, D), 2, 0)  # [nb, B, K, blk, D]
+
+    def one(x):
+        u = jnp.where(kept[..., None, :], jnp.einsum("bkid,bkjd->bkij", x, kn), -jnp.inf)
+        return jnp.argmax(u, axis=-1), jnp.max(u, axis=-1)
+
+    j, u = jax.lax.map(one, src)  # [nb, B, K, blk]
+    return tuple(jnp.moveaxis(x, 0, 2).reshape(B, K, nb * blk)[..., :C] for x in (j, u))
+
+
 def _into_slots(x, j, C: int):
     """Sum x [..., E, *F] into C slots by j [..., E]: [..., C, *F] (a scatter-add, O(E F))."""
     lead, E, feat = j.shape[:-1], j.shape[-1], x.shape[j.ndim:]
@@ -41,7 +64,7 @@ def _into_slots(x, j, C: int):
 
 
 def merge(k, v, kept, ks, vs, gone, tau, kind: str, enabled: bool = True, near=None,
-          rows: bool = False):
+          rows: bool = False, ok=None):
     """Merge the evicted sources into their nearest `kept` entry of the same head.
 
     k, v [..., C, D] and kept [..., C]: the targets; ks, vs [..., E, D]: the sources, `gone`
@@ -54,11 +77,15 @@ def merge(k, v, kept, ks, vs, gone, tau, kind: str, enabled: bool = True, near=N
     entry) or the code's mean (weights u_ij* against 1, divided by 1 + the count).
     `rows=True` (a decode step's few sources, k and v [B, K, C, D]) returns k and v as `Rows`
     (the target rows only, O(E^2 D), which `extend` scatters into the cache); the default
-    scatters into all C slots and rewrites the layer, O(C D).
+    scatters into all C slots and rewrites the layer, O(C D). `ok` [..., E]: which sources
+    merge, when the caller decided it (D2O's per-layer threshold decides on the mean over
+    heads); `tau` is then unused.
     """
     C = k.shape[-2]
     j, maxsim = nearest(k, kept, ks) if near is None else near
-    ok = gone & (maxsim >= tau[..., None]) & jnp.any(kept, axis=-1, keepdims=True)
+    if ok is None:
+        ok = maxsim >= tau[..., None]
+    ok = gone & ok & jnp.any(kept, axis=-1, keepdims=True)
     if not enabled:
         return k, v, jnp.zeros_like(ok), maxsim
     softmax = kind == "softmax"

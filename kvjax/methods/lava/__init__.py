@@ -2,4 +2,9 @@
 the layer-budget baseline of its tables; both on `cascade.Cascading`."""
 
 from kvjax.methods.lava.cake import CAKE  # noqa: F401
-from kvjax.methods.lava.entropy import LAVa, LAVaCode, LAVaHeadBudgets, LAVaLayerBudgets  # noqa: F401
+from kvjax.methods.lava.entropy import (  # noqa: F401
+    LAVa,
+    LAVaCode,
+    LAVaHeadBudgets,
+    LAVaLayerBudgets,
+)

@@ -39,6 +39,7 @@ class Plan:
     layers: tuple[int, ...]  # pruning layers p_1 < ... < p_P whose following stage is not empty
     blocks: tuple[int, ...]  # static groups (blocks) held by stages 1..P
     ratio: float | None = None  # keep a fraction of the present tokens instead (LazyLLM)
+    prune_after: str = "attention"  # the pruning layer's MLP runs on the kept tokens only
 
     @property
     def slots(self) -> int:
@@ -61,11 +62,21 @@ def scaled_layers(layers_of_32, num_layers: int) -> tuple[int, ...]:
     return tuple(int(round(l * num_layers / PAPER_LAYERS)) for l in layers_of_32)
 
 
-def scaled_blocks(keep_of_32k, T: int, block: int) -> tuple[int, ...]:
-    """Token budgets given for 32k prompts, scaled by T / 32768, in whole blocks (floor),
-    at least MIN_SCALED_BLOCKS and at most every block of the prompt."""
-    nb = -(-T // block)
-    return tuple(min(max(int(k * T / PAPER_CONTEXT) // block, MIN_SCALED_BLOCKS), nb)
+def scaled_blocks(keep_of_32k, n: int, block: int, num_blocks: int) -> tuple[int, ...]:
+    """Token budgets given for 32k prompts, scaled by n / 32768, in whole blocks (floor), at
+    most every block of the prompt. The smallest stage keeps at least MIN_SCALED_BLOCKS (the
+    forced blocks must fit); when that floor binds, the earlier stages keep the schedule's
+    ratios to it (the paper's 2:1 between stages), not the floor as well."""
+    scaled = [int(k * n / PAPER_CONTEXT) // block for k in keep_of_32k]
+    last = max(scaled[-1], MIN_SCALED_BLOCKS)
+    return tuple(min(max(b, math.ceil(last * k / keep_of_32k[-1])), num_blocks)
+                 for b, k in zip(scaled, keep_of_32k))
+
+
+def budget_blocks(budget: int, keep_of_32k, block: int, num_blocks: int) -> tuple[int, ...]:
+    """`--budget B`: the last stage keeps B tokens, the earlier ones the schedule's ratios
+    to it (4:2:1 for 8k:4k:2k), each rounded to whole blocks (at least one)."""
+    return tuple(min(max(1, round(budget * k / keep_of_32k[-1] / block)), num_blocks)
                  for k in keep_of_32k)
 
 
@@ -135,10 +146,14 @@ def lazyllm_scores(q_BHD: Float[Array, "B H D"], k_BKSD: Float[Array, "B K S D"]
 
 
 def forced_mask(blk_BG: Int[Array, "B G"], n_B: Int[Array, "B"], block: int, window: int,
-                sink_blocks: int) -> Bool[Array, "B G"]:
-    """Groups whose block must stay active: sinks and the blocks of the last w tokens."""
-    n = n_B[:, None]
-    return (blk_BG < sink_blocks) | (blk_BG == (n - 1) // block) | (blk_BG == (n - window) // block)
+                sink_blocks: int, tail: bool = True) -> Bool[Array, "B G"]:
+    """Groups whose block must stay active: the sinks, and (`tail`) the blocks of the last w
+    prompt tokens."""
+    forced = blk_BG < sink_blocks
+    if tail:
+        n = n_B[:, None]
+        forced |= (blk_BG == (n - 1) // block) | (blk_BG == (n - window) // block)
+    return forced
 
 
 def choose(
@@ -160,18 +175,25 @@ def choose(
 # ---- FLOP accounting ---------------------------------------------------------------------
 
 
-def layer_flops(cfg: ModelConfig, tokens: int, keys_mean: float) -> float:
-    """FLOPs of one layer on `tokens` queries each seeing `keys_mean` keys on average:
-    projections and SwiGLU MLP (2 per multiply-add) plus q.k and p.v."""
+def layer_flops(cfg: ModelConfig, tokens: int, keys_mean: float,
+                mlp_tokens: int | None = None) -> float:
+    """FLOPs of one layer: projections for `tokens` queries each seeing `keys_mean` keys on
+    average (2 per multiply-add; q.k and p.v included), and the SwiGLU MLP on `mlp_tokens`
+    (default: the same tokens)."""
     D, H, K, Dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     F = cfg.intermediate_size
-    linear = 2 * tokens * (D * (H + 2 * K) * Dh + H * Dh * D + 3 * D * F)
-    return linear + 4 * tokens * keys_mean * H * Dh
+    mlp_tokens = tokens if mlp_tokens is None else mlp_tokens
+    attn = 2 * tokens * (D * (H + 2 * K) * Dh + H * Dh * D) + 4 * tokens * keys_mean * H * Dh
+    return attn + 2 * mlp_tokens * 3 * D * F
 
 
-def prefill_flop_ratio(cfg: ModelConfig, layer_tokens: list[int], n: int) -> float:
+def prefill_flop_ratio(cfg: ModelConfig, layer_tokens: list[int], n: int,
+                       mlp_tokens: list[int] | None = None) -> float:
     """Computed prefill FLOPs with per-layer token counts vs the full prompt at every layer
-    (causal attention: a token sees (t + 1) / 2 keys on average; scoring/gather excluded)."""
-    pruned = sum(layer_flops(cfg, t, (t + 1) / 2) for t in layer_tokens)
+    (causal attention: a token sees (t + 1) / 2 keys on average; scoring/gather excluded).
+    `layer_tokens`: the tokens each layer attends with (live tokens, or the padded slots a
+    fixed-shape stage actually runs); `mlp_tokens`: those its MLP runs on (default: the
+    same; pruning right after a layer's attention runs its MLP on the kept ones)."""
+    mlp = mlp_tokens or layer_tokens
+    pruned = sum(layer_flops(cfg, t, (t + 1) / 2, m) for t, m in zip(layer_tokens, mlp))
     return pruned / (cfg.num_layers * layer_flops(cfg, n, (n + 1) / 2))
-

@@ -12,29 +12,44 @@ said otherwise):
   of the last 4 queries: prompt tail in prefill, the newest tokens in decode), swap
   threshold gamma = 0.9 (Algorithm 1), block 0 always active (Sec. 4.2, sinks);
 - pruning layers 10, 20, 30 of 32-layer Llama keeping 8k, 4k, 2k tokens of a 32k prompt,
-  scaled as docs/methods.md "Conventions" says: layers round(l * L / 32), budgets n / 32768 (in whole
-  blocks, floor, at least 3 blocks so the forced ones fit); explicit `layers` / `keep`
-  override them;
+  scaled as docs/methods.md "Conventions" says: layers round(l * L / 32) (a layer at or past
+  L - 1 starts no stage and is dropped), budgets n / 32768 of the longest prompt in whole
+  blocks (floor) for the stages that exist, the smallest at least 3 blocks (the forced
+  ones fit) with the earlier ones keeping the schedule's ratio to it; explicit `layers` /
+  `keep` override them; `--budget B` makes the last existing stage keep B tokens and the
+  earlier ones the schedule's ratios to it (2B, 4B);
 - Eq. 2 block score: max over units of the head-mean of q_l . k_rep, each query head with
   its GQA group's KV head, on post-RoPE queries and keys (what attention uses).
 
+Readings the paper leaves open, each a parameter (default first):
+- `decode_timing`: "paper" -- stage i's blocks are chosen right after pruning layer p_i
+  with the query window that ends at the token being decoded (the engine splits the step
+  there, `decode_segments`); "lagged" -- the candidates of step t decide step t+1;
+- `decode_forced`: "sink" -- only block 0 is always active while decoding (Sec. 4.2);
+  "sink_and_tail" -- the last w prompt tokens' blocks too;
+- `prune_after`: "attention" -- the pruning layer's MLP runs on the kept tokens only (the
+  paper prunes "right after attention"); "mlp" -- on every token, then the gather (the same
+  hidden states: the MLP acts on each token alone).
+
 Choices where the paper is silent (following ASL/FastKV where they decide):
-- pruning layer p is scored from its own attention's queries and keys, the hidden states
-  are gathered after its MLP, and layers > p run on the kept blocks at their original
-  positions; layer p's KV holds every token it saw. (On 12 layers the paper's layer 30
-  maps to 11 = L-1: no layer runs after it, so that stage is dropped.)
-- the last w prompt tokens are always active: the block(s) holding them are forced.
+- pruning layer p is scored from its own attention's queries and keys; the kept hidden
+  states keep their original positions; layer p's KV holds every token it saw.
+- at prefill the last w prompt tokens are always active (the last token's hidden state
+  must reach the top of the model): the block(s) holding them are forced.
 - decoding: a block pruned during prefill has no KV at deeper layers. `decode="recompute"`
   (default) revives it LazyLLM-style: its hidden state at the stage input (the aux cache,
-  kept in host memory) runs the stage's layers, attending to the active blocks, before the
-  new token attends; candidates at pruning layer p_i are the blocks with keys at p_i.
+  kept in host memory) runs the stage's layers, attending to the stage's active prompt
+  blocks (by position: not to the generated tokens, which come after it), before the new
+  token attends; candidates at pruning layer p_i are the blocks with keys at p_i.
   `decode="restrict"` only chooses among blocks that have KV at every layer of the stage:
   with the decode budget equal to the prefill's, those are exactly the blocks kept at
   prefill, so the active sets never change (nothing swaps; shown by the tests).
+- before w tokens are decoded, the decode query window still holds the prompt's last
+  queries (a ring of the last w queries at each pruning layer, continued from the prefill).
 - `offload=True`: the engine decodes with its host loop of compiled steps (host <-> device
-  copies cannot happen inside a `lax.while_loop`), calling `between_steps` (`swap.py`)
-  before each; `offload=False` (restrict only) uses the engine's compiled decode loop.
-- the candidates computed in step t decide the active sets of step t+1 (see `swap.py`).
+  copies cannot happen inside a `lax.while_loop`), calling `between_steps` and
+  `between_segments` (`swap.py`); `offload=False` (restrict only) uses the engine's
+  compiled decode loop.
 - scenarios: question-aware = the question is in the prompt tail, so the w = 4 query that
   picks the blocks at prefill is the question's end. Context-only = the context is pruned
   with its own tail as query (question-blind), the question is then prefilled on top
@@ -51,6 +66,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from kvjax.compress import budgets
 from kvjax.compress.layer import LayerIO
 from kvjax.compress.method import Method
 from kvjax.config import ModelConfig
@@ -59,6 +75,9 @@ from kvjax.methods.slim import blocks, swap
 
 SCORES = ("unit_dot", "attention")
 DECODES = ("recompute", "restrict")
+PRUNE_AFTER = ("attention", "mlp")
+DECODE_FORCED = ("sink", "sink_and_tail")
+DECODE_TIMINGS = ("paper", "lagged")
 
 
 def push_chunk(ring_BWHD, q_BTHD, qvalid_BT):
@@ -89,6 +108,11 @@ class SlimInfer(Method):
     layers: tuple[int, ...] | None = None  # absolute pruning layers (overrides layers_of_32)
     keep: tuple[int, ...] | None = None  # absolute token budgets (overrides keep_of_32k)
     keep_ratio: float | None = None  # keep this fraction of the present tokens (LazyLLM)
+    budget: int | None = None  # `--budget`: tokens the last stage keeps, ratios before it
+    scale_tokens: int | None = None  # the prompt length the schedule scales by (`for_prompt`)
+    prune_after: str = "attention"  # where the pruning layer gathers: "attention" | "mlp"
+    decode_forced: str = "sink"  # blocks always active while decoding: "sink" | "sink_and_tail"
+    decode_timing: str = "paper"  # "paper": chosen inside the step | "lagged": for the next
     block: int = 64
     unit: int = 8
     window: int = 4
@@ -111,20 +135,29 @@ class SlimInfer(Method):
             return self.layers
         return blocks.scaled_layers(self.layers_of_32, cfg.num_layers)
 
+    def stage_layers(self, cfg: ModelConfig) -> tuple[int, ...]:
+        """The pruning layers that start a stage: the schedule's, less one at the last layer
+        (no layer runs after it: on 12 layers the paper's 30 of 32 maps to 11 = L-1)."""
+        return tuple(l for l in self.schedule_layers(cfg) if l < cfg.num_layers - 1)
+
     def plan(self, cfg: ModelConfig, T: int) -> blocks.Plan:
-        """The static schedule for a padded prompt of T tokens on this model."""
-        layers = self.schedule_layers(cfg)
+        """The static schedule for a padded prompt of T tokens on this model. Budgets belong
+        to the stages that exist: `budget` and the scaled schedule anchor on the last of
+        them, so a dropped stage never decides what the others keep."""
+        layers = self.stage_layers(cfg)
         NB = -(-T // self.block)
+        P = len(layers)
         if self.keep_ratio is not None:
-            counts = blocks.ratio_blocks(self.keep_ratio, NB, len(layers))
+            counts = blocks.ratio_blocks(self.keep_ratio, NB, P)
         elif self.keep is not None:
-            counts = tuple(min(k // self.block, NB) for k in self.keep)
+            counts = tuple(min(k // self.block, NB) for k in self.keep[:P])
+        elif self.budget is not None:
+            counts = blocks.budget_blocks(self.budget, self.keep_of_32k[:P], self.block, NB)
         else:
-            counts = blocks.scaled_blocks(self.keep_of_32k, T, self.block)
-        pairs = [(l, b) for l, b in zip(layers, counts) if l < cfg.num_layers - 1]
-        return blocks.Plan(cfg.num_layers, self.block, self.window, NB,
-                           tuple(l for l, _ in pairs), tuple(b for _, b in pairs),
-                           self.keep_ratio)
+            counts = blocks.scaled_blocks(self.keep_of_32k[:P], self.scale_tokens or T,
+                                          self.block, NB) if P else ()
+        return blocks.Plan(cfg.num_layers, self.block, self.window, NB, layers, counts,
+                           self.keep_ratio, self.prune_after)
 
     # ---- checks ---------------------------------------------------------------------------
 
@@ -153,28 +186,51 @@ class SlimInfer(Method):
             raise ValueError("decode='recompute' runs in the host-offload loop: set offload=True "
                              "(or decode='restrict')")
         layers = self.schedule_layers(cfg)
-        if list(layers) != sorted(set(layers)) or not all(0 <= l < cfg.num_layers for l in layers):
-            raise ValueError(f"pruning layers {list(layers)} must be strictly increasing in "
+        # scaled layers at or past the last layer start no stage and are dropped (a shallow
+        # model prunes fewer times); absolute ones must exist
+        check = layers if self.layers is not None else self.stage_layers(cfg)
+        if not self.stage_layers(cfg):
+            raise ValueError(
+                f"no pruning layer of {list(layers)} starts a stage on {cfg.num_layers} layers "
+                f"(one must be < L - 1 = {cfg.num_layers - 1}: a layer must run after it); "
+                f"allowed: set layers=... to layers in [0, {cfg.num_layers - 1})")
+        if list(check) != sorted(set(check)) or not all(0 <= l < cfg.num_layers for l in check):
+            raise ValueError(f"pruning layers {list(check)} must be strictly increasing in "
                              f"[0, {cfg.num_layers}) (from layers={self.layers}, layers_of_32="
                              f"{self.layers_of_32} on {cfg.num_layers} layers)")
         if self.keep_ratio is not None:
             if not 0 < self.keep_ratio <= 1:
                 raise ValueError(f"keep_ratio={self.keep_ratio} outside (0, 1]")
             return
-        budgets = self.keep if self.keep is not None else self.keep_of_32k
-        if len(budgets) != len(layers):
-            raise ValueError(f"{len(layers)} pruning layers {list(layers)} but {len(budgets)} "
-                             f"budgets {list(budgets)}")
-        if list(budgets) != sorted(budgets, reverse=True):
-            raise ValueError(f"budgets {list(budgets)} must not increase from one pruning layer "
+        keeps = self.keep if self.keep is not None else self.keep_of_32k
+        if len(keeps) != len(layers):
+            raise ValueError(f"{len(layers)} pruning layers {list(layers)} but {len(keeps)} "
+                             f"budgets {list(keeps)}")
+        if list(keeps) != sorted(keeps, reverse=True):
+            raise ValueError(f"budgets {list(keeps)} must not increase from one pruning layer "
                              f"to the next (a stage only holds what the previous one kept)")
+        for field, value, allowed in (("prune_after", self.prune_after, PRUNE_AFTER),
+                                      ("decode_forced", self.decode_forced, DECODE_FORCED),
+                                      ("decode_timing", self.decode_timing, DECODE_TIMINGS)):
+            if value not in allowed:
+                raise ValueError(f"{field}={value!r}; allowed: {allowed}")
+        if self.budget is not None:
+            self._validate_budget(n, cfg)
         if self.keep is not None:
-            self._validate_keep(n)
+            self._validate_keep(n, cfg)
 
-    def _validate_keep(self, n: int) -> None:
+    def _validate_budget(self, n: int, cfg: ModelConfig) -> None:
+        forced = len(blocks.forced_block_ids(n, self.block, self.window, self.sink_blocks))
+        if not forced * self.block <= self.budget <= n:
+            raise ValueError(
+                f"budget={self.budget} is the last stage's kept tokens; allowed: "
+                f"{forced * self.block} (the {forced} always-active blocks of {self.block}) "
+                f"<= budget <= the prompt length {n}")
+
+    def _validate_keep(self, n: int, cfg: ModelConfig) -> None:
         bs = self.block
         forced = len(blocks.forced_block_ids(n, bs, self.window, self.sink_blocks))
-        for i, k in enumerate(self.keep):
+        for i, k in enumerate(self.keep[: len(self.stage_layers(cfg))]):
             if k % bs:
                 raise ValueError(f"block={bs} does not divide keep[{i}]={k}: budgets are whole "
                                  f"blocks (allowed: multiples of {bs})")
@@ -187,12 +243,16 @@ class SlimInfer(Method):
                                  f"{n}-token prompt; allowed: keep >= {forced * bs}")
 
     def with_budget(self, budget: int) -> "SlimInfer":
-        """`--budget B`: the last pruning layer keeps B tokens, the earlier ones the paper's
-        4:2:1 multiples (8k:4k:2k), each rounded to whole blocks."""
-        ref = self.keep_of_32k[-1]
-        keep = tuple(max(self.block, round(budget * k / ref / self.block) * self.block)
-                     for k in self.keep_of_32k)
-        return dataclasses.replace(self, keep=keep, keep_ratio=None)
+        """`--budget B`: the last stage that exists on the model keeps B tokens, the earlier
+        ones the schedule's ratios to it (8k:4k:2k: 2B before, 4B before that), each
+        rounded to whole blocks; stage 0 keeps the whole prompt."""
+        return dataclasses.replace(self, budget=budget, keep=None, keep_ratio=None)
+
+    def for_prompt(self, n: int) -> "SlimInfer":
+        """The scaled schedule's length: the longest prompt (`budgets.length_scale`)."""
+        if self.keep is None and self.budget is None and self.keep_ratio is None:
+            return dataclasses.replace(self, scale_tokens=budgets.length_scale(n))
+        return self
 
     # ---- prefill hooks (the engine's `block_pruning` loop) ----------------------------------
 
@@ -215,7 +275,7 @@ class SlimInfer(Method):
     def choose_groups(self, i: int, plan: blocks.Plan, s_BG, blk_BG, glive_BG, n_B):
         """Pruning layer p_{i+1}: the forced blocks plus the top ones, `plan.blocks[i]` (or
         the ratio's count of the present blocks)."""
-        forced = blocks.forced_mask(blk_BG, n_B, plan.block, self.window, self.sink_blocks)
+        forced = blocks.forced_mask(blk_BG, n_B, plan.block, self.window, self.sink_blocks, True)
         count = jnp.full(n_B.shape, plan.blocks[i], jnp.int32)
         if plan.ratio is not None:
             present = jnp.sum(glive_BG, axis=1, dtype=jnp.int32)
@@ -223,8 +283,9 @@ class SlimInfer(Method):
         return blocks.choose(s_BG, forced, glive_BG, count, plan.blocks[i])
 
     def block_state(self, plan: blocks.Plan, T: int, n_B, pruned: list[dict]):
-        """The decode state from what each pruning layer saw (None without offload)."""
-        if not self.needs_decode_state:
+        """The decode state from what each pruning layer saw (None without offload, or on
+        a model too shallow for any stage: then nothing was pruned)."""
+        if not self.needs_decode_state or not pruned:
             return None
         return swap.prefill_state(plan, n_B, pruned, self.unit)
 
@@ -233,6 +294,8 @@ class SlimInfer(Method):
     def decode_layer(self, io: LayerIO, probs, state):
         """Keep each pruning layer's last-w query ring current (the new token's query, or a
         context-only question chunk's)."""
+        if state is None:  # nothing was pruned (a model too shallow for any stage)
+            return io.kv, state
         ring = state["qring"]  # [P, B, w, H, Dh]
         qvalid = io.qvalid if io.qvalid is not None else jnp.ones(io.q.shape[:2], bool)
         pushed = jax.vmap(lambda r: push_chunk(r, io.q, qvalid))(ring)
@@ -243,24 +306,37 @@ class SlimInfer(Method):
         return self.needs_decode_state
 
     def revival(self, layer, state):
-        return swap.revival(layer, state) if self.needs_decode_state else None
+        if not self.needs_decode_state or state is None:
+            return None
+        return swap.revival(layer, state, self.prune_after == "attention")
 
     def revived(self, layer, x_BRD, state):
         return swap.revived(layer, x_BRD, state)
 
-    def after_step(self, cfg: ModelConfig, cache, state):
-        if not self.needs_decode_state or "cand" not in state:
+    def after_layers(self, cfg: ModelConfig, cache, state, upto: int):
+        if not self.needs_decode_state or state is None or "cand" not in state:
             return state
-        return swap.after_step(self, cfg, cache, state)
+        return swap.after_layers(self, cfg, cache, state, upto)
 
     def steps_on_host(self) -> bool:
         return self.offload
 
+    def decode_segments(self, cfg: ModelConfig) -> tuple[int, ...]:
+        """The paper's timing: each step splits after every pruning layer."""
+        if self.decode_timing == "lagged":
+            return ()
+        return tuple(l + 1 for l in self.stage_layers(cfg))
+
+    def between_segments(self, host, i, cache, state, done):
+        return swap.between_segments(host, i, cache, state, done)
+
     def init_host(self, cfg: ModelConfig, cache, state, compile):
+        if state is None:
+            return None, None, 0.0
         return swap.init_host(self, cfg, cache, state, compile)
 
     def between_steps(self, host, cache, state, done):
-        return swap.between_steps(host, cache, state, done)
+        return (cache, state) if host is None else swap.between_steps(host, cache, state, done)
 
     def decode_stats(self, host, state) -> dict:
         return swap.decode_stats(host, state) if host is not None else {}
@@ -312,5 +388,3 @@ class LazyLLM(SlimInfer):
     decode: str = dataclasses.field(default="restrict", compare=False)
     offload: bool = False
 
-    def with_budget(self, budget: int) -> "LazyLLM":
-        return dataclasses.replace(self, keep=(4 * budget, 2 * budget, budget), keep_ratio=None)

@@ -22,10 +22,14 @@ that leave are copied to host memory unless it holds them, blocks that enter are
 from it (or revived from their hidden state), each move one compiled, donated update of
 the cache (compiled once per stage).
 
-Timing: the candidates computed in step t decide the active sets of step t+1 (the paper
-decides inside step t, at layer p_i, and prefetches during that layer's FFN). A step is
-one compiled call, so a swap must fall between calls; the one-step lag means the query
-window that chooses the blocks of token t+1 ends at token t.
+Timing (`decode_timing`): "paper" -- stage i's candidates are scored right after pruning
+layer p_i with the query window that ends at the token being decoded, and decide the
+blocks that token attends to at stage i's layers: the engine splits each step at the
+pruning layers (`decode_segments`) and swaps in between (`between_segments`), so a step
+is P + 1 compiled calls with a host sync at each pruning layer (the paper prefetches
+during that layer's FFN instead). "lagged" -- one compiled call per step; the candidates
+computed in step t decide the active sets of step t+1, so the window that chooses the
+blocks of token t+1 ends at token t.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.compress.layer import Revival
 from kvjax.config import ModelConfig
 from kvjax.methods.slim import blocks, host_store
 
@@ -74,16 +79,26 @@ def _stage(layer, players):
     return jnp.sum(players < layer) - 1
 
 
-def revival(layer, state):
+def revival(layer, state, split: bool):
     """`Method.revival`: the revived rows of this layer's stage and their stage-input
-    hidden states (rows are the stage's group slots)."""
+    hidden states (rows are the stage's group slots). `split` (pruning right after the
+    pruning layer's attention): the stored states stop before the pruning layer's MLP, so
+    the stage's first layer runs it first, and its last layer stops after its attention
+    (the next stage's aux cache holds that state)."""
     if "xr" not in state:  # the prefill's state (a context-only question chunk)
         return None
-    i = _stage(layer, state["players"])
-    j = jnp.clip(i, 0, state["rev"].shape[0] - 1)
+    players = state["players"]
+    i = _stage(layer, players)
+    P = state["rev"].shape[0]
+    j = jnp.clip(i, 0, P - 1)
     rev = state["rev"][j]  # [B, R]
     slot = jnp.where(rev, jnp.arange(rev.shape[1]), -1)
-    return state["xr"][j], slot, (i >= 0) & jnp.any(rev)
+    first = layer == players[j] + 1
+    last = (i < P - 1) & (layer == players[jnp.clip(i + 1, 0, P - 1)])
+    # the rows attend to their stage's prompt blocks, which fill the first R slots of its
+    # layers (generated tokens come later in position, so the causal mask drops them)
+    return Revival(state["xr"][j], slot, (i >= 0) & jnp.any(rev), split & first,
+                   ~(split & last), keys=rev.shape[1])
 
 
 def revived(layer, x_BRD, state):
@@ -94,22 +109,24 @@ def revived(layer, x_BRD, state):
 
 def decode_plan(m, cfg: ModelConfig, state) -> blocks.Plan:
     """The static plan of a decode state (from its shapes: the padded length is not kept)."""
-    P = len(state["cand"])
-    layers = tuple(l for l in m.schedule_layers(cfg) if l < cfg.num_layers - 1)[:P]
+    layers = m.stage_layers(cfg)
     return blocks.Plan(cfg.num_layers, m.block, m.window, state["units"].shape[3], layers,
-                       tuple(idx.shape[1] for idx, _ in state["cand"]), m.keep_ratio)
+                       tuple(idx.shape[1] for idx, _ in state["cand"]), m.keep_ratio,
+                       m.prune_after)
 
 
-def candidates(m, plan: blocks.Plan, state):
-    """Per stage i >= 1: the candidate blocks [B, blocks[i]] (ascending ids) and which are
-    live, from the last w queries and the unit keys at its pruning layer."""
+def candidates(m, plan: blocks.Plan, state, stages=None):
+    """Per stage i >= 1 (default: all): the candidate blocks [B, blocks[i]] (ascending ids)
+    and which are live, from the last w queries and the unit keys at its pruning layer."""
     n = state["n"]
     NB = plan.num_blocks
     ids = jnp.broadcast_to(jnp.arange(NB, dtype=jnp.int32), (n.shape[0], NB))
     real = ids * plan.block < n[:, None]
-    forced = blocks.forced_mask(ids, n, plan.block, m.window, m.sink_blocks)
+    forced = blocks.forced_mask(ids, n, plan.block, m.window, m.sink_blocks,
+                                m.decode_forced == "sink_and_tail")
     out = []
-    for i, nb in enumerate(plan.blocks):
+    for i in range(len(plan.blocks)) if stages is None else stages:
+        nb = plan.blocks[i]
         s = blocks.block_scores(blocks.query_mean(state["qring"][i]), state["units"][i],
                                 state["uok"][i])
         # recompute: blocks with keys at the pruning layer (their hidden state after it
@@ -121,13 +138,23 @@ def candidates(m, plan: blocks.Plan, state):
     return tuple(out)
 
 
-def after_step(m, cfg: ModelConfig, cache, state):
-    """`Method.after_step`: unit keys of the blocks revived at a stage that ends at a
-    pruning layer (their keys there now exist), then every stage's candidates."""
+def after_layers(m, cfg: ModelConfig, cache, state, upto: int):
+    """`Method.after_layers`: for every stage i whose pruning layer p_i is now done (all
+    of them at the end of a step with the lagged timing; the one with p_i = upto - 1 inside
+    a step with the paper's): the unit keys at p_i of the blocks revived at the stage
+    before (their keys there exist now), then stage i's candidates."""
     plan = decode_plan(m, cfg, state)
+    if m.decode_timing == "lagged":
+        stages = list(range(len(plan.layers))) if upto == cfg.num_layers else []
+    else:
+        stages = [i for i, p in enumerate(plan.layers) if p == upto - 1]
+    if not stages:
+        return state
     units, uok = state["units"], state["uok"]
     B = cache.k.shape[1]
-    for i in range(1, len(plan.layers)):  # stage i ends at pruning layer p_{i+1}
+    for i in stages:
+        if i == 0:  # stage 0 holds every block: no revival before p_1
+            continue
         R = plan.blocks[i - 1] * plan.block
         p = plan.layers[i]
         rep, ok = blocks.unit_keys(cache.k[p, :, :, :R], cache.valid[p, :, 0, :R], plan.block,
@@ -140,7 +167,10 @@ def after_step(m, cfg: ModelConfig, cache, state):
         uok = uok.at[i].set(jax.vmap(lambda t, j, r: t.at[j].set(r, mode="drop"))(
             uok[i], tgt, ok))
     state = {**state, "units": units, "uok": uok}
-    return {**state, "cand": candidates(m, plan, state)}
+    cand = list(state["cand"])
+    for i, c in zip(stages, candidates(m, plan, state, stages)):
+        cand[i] = c
+    return {**state, "cand": tuple(cand)}
 
 
 # ---- moving one block (fixed shapes: compiled once per stage) ---------------------------------
@@ -211,7 +241,7 @@ class SlimDecodeState:
         self.store = host_store.HostStore()
         self.in_host = [[set() for _ in range(B)] for _ in range(P)]
         self.rev = [np.zeros((B, nb * plan.block), bool) for nb in plan.blocks]
-        self.rev_before = [r.copy() for r in self.rev]
+        self.step_swapped = np.zeros(B, bool)
         self.history: list[list[np.ndarray]] = []  # per step: active block ids per stage [B, nb]
         self.cand_history: list[list[np.ndarray]] = []
         self.cands: list = []
@@ -258,9 +288,9 @@ def init_host(m, cfg: ModelConfig, cache, state, compile):
     B = cache.k.shape[1]
     P = len(state["groups"])
     NB = state["units"].shape[3]
-    layers = tuple(l for l in m.schedule_layers(cfg) if l < cfg.num_layers - 1)[:P]
+    layers = m.stage_layers(cfg)
     plan = blocks.Plan(cfg.num_layers, m.block, m.window, NB, layers,
-                       tuple(g.shape[1] for g in state["groups"]), m.keep_ratio)
+                       tuple(g.shape[1] for g in state["groups"]), m.keep_ratio, m.prune_after)
     hs = SlimDecodeState(m, plan, cfg, state["groups"], state["n"], B, cache.k.dtype.itemsize)
     R = max(plan.blocks) * plan.block
     D = cfg.hidden_size
@@ -323,13 +353,13 @@ def _offload_prefill_aux(hs: SlimDecodeState, state):
                     hs.prefill_d2h[e] += hs.store.put(("aux", i, e, int(b)), rows)
 
 
-def _swap(hs: SlimDecodeState, cache, state, done):
-    """Algorithm 1 for every (stage, element) with the candidates of the last step."""
+def _swap(hs: SlimDecodeState, cache, state, done, stages):
+    """Algorithm 1 for every element of the given stages, with their current candidates."""
     m, bs = hs.m, hs.plan.block
     swapped_any = np.zeros(len(done), bool)
     xr = state["xr"]
-    for i, (idx, live) in enumerate(hs.cands):
-        a, b = hs.plan.stages[i + 1]
+    for i in stages:
+        idx, live = hs.cands[i]
         mv = hs.movers[i]
         hs.rev[i][:] = False
         for e in np.flatnonzero(~done):
@@ -368,38 +398,71 @@ def _swap(hs: SlimDecodeState, cache, state, done):
                     hs.revived[e] += 1
             pos, valid = hs.pos_valid(i)
             cache = mv["set_slots"](cache, jnp.asarray(pos[e]), jnp.asarray(valid[e]), *_ix(e))
-    return cache, {**state, "xr": xr}, swapped_any
+    hs.swap_steps += swapped_any & ~hs.step_swapped
+    hs.step_swapped |= swapped_any
+    return cache, {**state, "xr": xr}
+
+
+def _read_candidates(hs: SlimDecodeState, state, stages):
+    hs.cands = [(np.asarray(i), np.asarray(lv)) if s in stages else hs.cands[s]
+                for s, (i, lv) in enumerate(state["cand"])]
 
 
 def _after(hs: SlimDecodeState, state):
-    """What the host reads of the step that just ran: live device KV, the candidates, and
-    the revived blocks' hidden states after their stage (the next stage's aux cache)."""
+    """What the host reads of the step that just ran: live device KV, the candidates (for
+    the lagged timing's next step), and the revived blocks' hidden states after their stage
+    (the next stage's aux cache)."""
     hs.gen_count = hs.gen_count + hs.live
     _account(hs)
-    hs.cands = [(np.asarray(i), np.asarray(lv)) for i, lv in state["cand"]]
-    hs.cand_history.append([i for i, _ in hs.cands])
-    bs = hs.plan.block
-    for i in range(len(hs.plan.layers) - 1):  # stage i+1 -> aux of stage i+2
-        grev = hs.rev_before[i].reshape(hs.rev_before[i].shape[0], -1, bs).any(-1)
-        for e, grp in zip(*np.nonzero(grev)):
-            b = int(hs.gblk[i][e, grp])
-            if not hs.havekv[i + 1][e, b]:
-                rows = hs.take_rows(state["xr"][i], *_ix(e, grp))
-                hs.bytes_d2h[e] += hs.store.put(("aux", i + 1, e, b), rows)
+    if hs.m.decode_timing == "lagged":
+        _read_candidates(hs, state, range(len(hs.plan.layers)))
+        hs.cand_history.append([i for i, _ in hs.cands])
+        for i in range(len(hs.plan.layers) - 1):
+            _offload_revived_aux(hs, state, i)
     hs.steps += 1
     hs.pending = False
 
 
+def _offload_revived_aux(hs: SlimDecodeState, state, i: int):
+    """The hidden states after slim stage i of the blocks revived there this step: the aux
+    cache of stage i + 1 (where they have no KV yet)."""
+    bs = hs.plan.block
+    grev = hs.rev[i].reshape(hs.rev[i].shape[0], -1, bs).any(-1)
+    for e, grp in zip(*np.nonzero(grev)):
+        b = int(hs.gblk[i][e, grp])
+        if not hs.havekv[i + 1][e, b]:
+            rows = hs.take_rows(state["xr"][i], *_ix(e, grp))
+            hs.bytes_d2h[e] += hs.store.put(("aux", i + 1, e, b), rows)
+
+
 def between_steps(hs: SlimDecodeState, cache, state, done):
-    """`Method.between_steps`: read the last step, then swap for the next one."""
+    """`Method.between_steps`: read the last step; with the lagged timing, swap every stage
+    for the next one with its candidates."""
     if hs.pending:
         _after(hs, state)
-    cache, state, swapped = _swap(hs, cache, state, done)
-    hs.swap_steps += swapped
-    hs.rev_before = [r.copy() for r in hs.rev]
-    hs.history.append([g.copy() for g in hs.gblk])
     hs.live = ~np.asarray(done)
     hs.pending = True
+    hs.step_swapped = np.zeros(len(done), bool)
+    if hs.m.decode_timing == "lagged":
+        cache, state = _swap(hs, cache, state, done, range(len(hs.plan.layers)))
+        hs.history.append([g.copy() for g in hs.gblk])
+    else:
+        for r in hs.rev:
+            r[:] = False
+    return cache, hs.device(state)
+
+
+def between_segments(hs: SlimDecodeState, i: int, cache, state, done):
+    """`Method.between_segments` (the paper's timing): after pruning layer p_i, stage i's
+    candidates from this token's queries decide its active blocks for this token (blocks
+    revived at stage i - 1 in this step may be chosen: their aux cache is written first)."""
+    if i:
+        _offload_revived_aux(hs, state, i - 1)
+    _read_candidates(hs, state, [i])
+    cache, state = _swap(hs, cache, state, done, [i])
+    if i == len(hs.plan.layers) - 1:
+        hs.history.append([g.copy() for g in hs.gblk])
+        hs.cand_history.append([c for c, _ in hs.cands])
     return cache, hs.device(state)
 
 

@@ -79,6 +79,9 @@ class AdaKVBase(WindowScored):
         K = cfg.num_kv_heads
         return int(min(n, K * self.max_budget(n) - (K - 1) * self.window))
 
+    def splits_heads(self) -> bool:
+        return True  # per-head scores; the flattened top-k across devices (`io.heads`)
+
     def safe_count(self, io: LayerIO, state):
         return jnp.full(io.k.shape[:1], n_safe(self.budget, self.alpha), jnp.int32)
 
@@ -91,10 +94,12 @@ class AdaKVBase(WindowScored):
         if self.safeguard == "kvpress":
             b_max = self.max_budget(T)
             keep, safe = budgets.flattened_heads(s_BKT, b[:, None], self.safe_count(io, state),
-                                                 b_max, n_safe(b_max, self.alpha), with_safe=True)
+                                                 b_max, n_safe(b_max, self.alpha), with_safe=True,
+                                                 heads=io.heads)
             return HeadBudgets(jnp.sum(keep, axis=-1, dtype=jnp.int32), safe, keep)
         w = self.window
-        return HeadBudgets(budgets.adakv_code_counts(s_BKT[..., : T - w], b - w, self.alpha) + w)
+        return HeadBudgets(budgets.adakv_code_counts(s_BKT[..., : T - w], b - w, self.alpha,
+                                                     io.heads) + w)
 
 
 @register
@@ -128,6 +133,9 @@ class AdaPyramidKV(PyramidSchedule, AdaKVBase):
 
     def head_count(self, io: LayerIO, state):
         return PyramidSchedule.head_count(self, io, state[0])
+
+    def splits_heads(self) -> bool:
+        return True  # per-head scores; the flattened top-k across devices (`io.heads`)
 
     def safe_count(self, io: LayerIO, state):
         return PyramidSchedule.head_count(self, io, state[1])

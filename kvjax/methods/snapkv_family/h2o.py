@@ -41,6 +41,9 @@ class H2O(DecodeEviction):
     gqa: str = "mean"
     block: int = 256
 
+    def splits_heads(self) -> bool:
+        return True  # per-head accumulated attention and top-k
+
     @property
     def recent(self) -> int:
         return max(1, int(self.budget * self.recent_ratio))

@@ -32,6 +32,9 @@ class ObservedAttention(PrefillEviction):
     gqa: str = "mean"
     block: int = 256
 
+    def splits_heads(self) -> bool:
+        return True  # per-head observed attention and top-k
+
     def scores(self, io: LayerIO):
         valid = io.valid[:, 0]
         s = scoring.gqa_reduce(

@@ -9,6 +9,10 @@ layer is capped at `n - window` (the last raised to keep the mean), and when the
 layer budget would fall below the window, every layer keeps `budget` (kvpress's "fall
 back to SnapKV"). With beta 20 that fallback applies whenever `budget < 20 * window`.
 
+`--ratio r` (`with_ratio`) sets the average budget to kvpress's float `n (1 - r)`, not its
+integer part: the schedule is then kvpress's at any n (n = 640, r = 0.8: B = 127.99...97,
+whose layers keep 128 where `int` would keep 127), and `budget` holds that float.
+
 Defaults: beta 20 (kvpress; KVCache-Factory), window 32, maxpool 7, GQA mean as SnapKV
 (the LAVa paper runs PyramidKV with maxpool 7 and tunes beta in {5, 10, 20}).
 """
@@ -16,6 +20,7 @@ Defaults: beta 20 (kvpress; KVCache-Factory), window 32, maxpool 7, GQA mean as 
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import lru_cache
 from typing import ClassVar
 
@@ -30,7 +35,7 @@ from kvjax.methods.registry import register
 
 
 @lru_cache(maxsize=64)
-def _table(budget: int, n_max: int, num_layers: int, window: int, beta: float) -> np.ndarray:
+def _table(budget: float, n_max: int, num_layers: int, window: int, beta: float) -> np.ndarray:
     return budgets.pyramid_table(budget, n_max, num_layers, window, beta)
 
 
@@ -70,10 +75,19 @@ class PyramidKV(PyramidSchedule, WindowScored):
     name: ClassVar[str] = "pyramidkv"
     beta: float = 20
 
+    def splits_heads(self) -> bool:
+        return True  # per-head scores; the layer's count from a replicated table
+
     def validate(self, n: int, cfg: ModelConfig) -> None:
         super().validate(n, cfg)
         self.validate_beta()
 
+    def with_ratio(self, ratio: float, n: int) -> "PyramidKV":
+        """kvpress's arithmetic: the schedule's average budget is the float n (1 - r)
+        (`PyramidKVPress.get_layer_budget`), never its integer part."""
+        super().with_ratio(ratio, n)  # the range check
+        return dataclasses.replace(self, budget=n * (1 - ratio))
+
     def kept_slots(self, n: int) -> int:
-        return min(max(self.max_head_count(n), self.budget), n)
+        return min(max(self.max_head_count(n), math.ceil(self.budget)), n)
 

@@ -30,3 +30,6 @@ class SnapKV(WindowScored):
     prefix entries by pooled window attention (window 32, maxpool 7, GQA mean)."""
 
     name: ClassVar[str] = "snapkv"
+
+    def splits_heads(self) -> bool:
+        return True  # per-head window scores and top-k

@@ -37,6 +37,9 @@ class StreamingLLM(DecodeEviction):
     budget: int = 128
     n_sink: int = 4
 
+    def splits_heads(self) -> bool:
+        return True  # positions only
+
     @property
     def forced(self) -> int:
         return self.n_sink

@@ -34,13 +34,18 @@ def _body(idx_g, count_g, k_g, v_g, ko_g, vo_g, *, rows, S):
     def row(r, carry):
         s = t * rows + r
 
-        @pl.when(s < S)
+        # live and dead slots in two branches, not one select: Mosaic GPU's warpgroup
+        # lowering (jax >= 0.11) has no select of a row by a scalar predicate
+        @pl.when(s < count)
         def _():
-            live = s < count
-            i = jnp.where(live, idx_g[n, jnp.minimum(s, S - 1)], 0)
+            i = idx_g[n, s]
             for src, dst in ((k_g, ko_g), (v_g, vo_g)):
-                x = src[n, pl.ds(i, 1), :]
-                dst[n, pl.ds(s, 1), :] = jnp.where(live, x, jnp.zeros_like(x))
+                dst[n, pl.ds(s, 1), :] = src[n, pl.ds(i, 1), :]
+
+        @pl.when((s >= count) & (s < S))
+        def _():
+            for dst in (ko_g, vo_g):
+                dst[n, pl.ds(s, 1), :] = jnp.zeros((1, dst.shape[-1]), dst.dtype)
 
         return carry
 

@@ -1,0 +1,444 @@
+"""One overview of every accuracy record under docs/results -> docs/results/README.md.
+
+    python scripts/results_overview.py                      # reads and writes docs/results
+    python scripts/results_overview.py --results DIR --out /tmp/overview
+
+Reads the `python -m kvjax.run` records (JSON) beside the results pages (per-sample
+`details` are not read), and writes `<out>/README.md`: for each set of weights, scenario and
+context length, one table per task of methods x budgets (accuracy in %, with its Wilson 95%
+interval where the task's score is 0 or 1 per sample), one plot (accuracy against the live
+KV fraction, a panel per task, a line per method, told apart by colour, marker and dash),
+and a link to each page. Nothing is measured here: every number is a record's. Records
+measured differently are never merged: other weights, scenario or context length are
+another table; a method measured with other parameters (or dtype, or chat template) is a
+row of its own, named by what differs; a cell measured twice with other samples or seeds
+shows both numbers, and a note says where they come from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvjax import report  # noqa: E402
+
+# pages in the order of the README's results table; the rows of a method sit with those of
+# its page (`rank_rows`)
+PAGE_ORDER = ("baselines", "asl", "sliminfer", "lava", "criticalkv", "d2o")
+# parameters that follow the budget (one row per method, one column per budget)
+BUDGET_KEYS = ("budget", "select_k", "ratio")
+# record fields that are part of what was measured, beside the method's parameters
+SETTING_KEYS = ("dtype", "chat_template")
+SCENARIO_NAMES = {"question_aware": "question-aware", "context_only": "context-only"}
+
+
+def binary_task(task: str) -> bool:
+    """Whether the task scores each sample 0 or 1 (so accuracy x samples is a binomial
+    count): a metric that asks for every answer at once, or one answer per sample."""
+    try:
+        from kvjax import tasks
+
+        t = tasks.get(task)
+    except (ImportError, KeyError):
+        return False
+    metric = getattr(t, "metric", None)
+    if metric in ("exact_contains", "ruler_string_match_part"):
+        return True
+    if metric in ("string_match_all", "ruler_string_match_all"):
+        try:
+            return all(len(s.answer) == 1 for s in tasks.generate(task, 512, n=2, seed=0))
+        except Exception:  # a task that cannot make a 512-token sample: say non-binary
+            return False
+    return False
+
+
+def page_of(json_path: Path, results: Path) -> str | None:
+    """The page a records file belongs to: the `.md` beside it whose name starts the file's
+    name (`lava_question_aware.json` -> `lava.md`), the longest such; None if none does."""
+    best = None
+    for md in json_path.parent.glob("*.md"):
+        if md.name == "README.md":
+            continue
+        mine = json_path.stem == md.stem or json_path.stem.startswith(md.stem + "_")
+        if mine and (best is None or len(md.stem) > len(best.stem)):
+            best = md
+    return None if best is None else best.relative_to(results).as_posix()
+
+
+def load(results: Path) -> list[dict]:
+    """Every accuracy record under `results`, each with `_file` and `_page` added, in file
+    order; per-sample `details` dropped. Files that are not `kvjax.run` outputs are skipped."""
+    out = []
+    for path in sorted(results.rglob("*.json")):
+        try:
+            recs = report.load_records(path)
+        except (ValueError, KeyError, TypeError):
+            continue
+        page = page_of(path, results)
+        for r in recs:
+            if not (isinstance(r, dict) and isinstance(r.get("accuracy"), (int, float))
+                    and all(k in r for k in ("method", "task", "context_length", "scenario"))):
+                continue
+            r = {k: v for k, v in r.items() if k != "details"}
+            out.append({**r, "_file": path.relative_to(results).as_posix(), "_page": page})
+    return out
+
+
+def _signature(r: dict) -> tuple:
+    """What a record was measured with besides its budget: the method's parameters and the
+    run's settings that change the numbers (parameter dtype, chat template) where recorded."""
+    params = {k: v for k, v in (r.get("method_params") or {}).items() if k not in BUDGET_KEYS}
+    params.update({k: r[k] for k in SETTING_KEYS if k in r})
+    return tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in params.items()))
+
+
+def label_variants(records: list[dict]) -> None:
+    """`_label` of each record: its method, and where one method was measured with different
+    parameters (budgets aside), the parameters in which its variants differ."""
+    sigs: dict[str, list[tuple]] = defaultdict(list)
+    for r in records:
+        s = _signature(r)
+        if s not in sigs[r["method"]]:
+            sigs[r["method"]].append(s)
+    for r in records:
+        variants = sigs[r["method"]]
+        if len(variants) == 1:
+            r["_label"] = r["method"]
+            continue
+        dicts = [dict(v) for v in variants]
+        keys = sorted({k for d in dicts for k in d if len({e.get(k) for e in dicts}) > 1})
+        mine = dict(_signature(r))
+        r["_label"] = r["method"] + " (" + ", ".join(
+            f"{k}={json.loads(mine[k]) if k in mine else '-'}" for k in keys) + ")"
+
+
+def _weights(r: dict) -> tuple:
+    w = r.get("model_weights") or {}
+    return r.get("model"), w.get("sha256"), w.get("trained_steps")
+
+
+def _budget_text(b) -> str:
+    if b is None:
+        return "none"
+    return str(int(b)) if float(b).is_integer() else f"{b:g}"
+
+
+def _budget_key(b) -> float:
+    return -1.0 if b is None else float(b)
+
+
+def _page_rank(page: str | None) -> tuple:
+    stem = Path(page).stem if page else "~"
+    top = page.split("/")[0] if page and "/" in page else ""
+    return (PAGE_ORDER.index(stem) if stem in PAGE_ORDER else len(PAGE_ORDER), top, stem)
+
+
+def _link(page: str) -> str:
+    return f"[{Path(page).with_suffix('').as_posix()}]({page})"
+
+
+def rank_rows(records: list[dict]) -> None:
+    """`_rank` of each record: its row's place in every table and its line style in every
+    plot, the same everywhere: `full` first, then each method under its page (the first, in
+    README order, that measured it on more than one task), by name."""
+    tasks: dict[str, dict] = defaultdict(lambda: defaultdict(set))
+    for r in records:
+        tasks[r["_label"]][r["_page"]].add(r["task"])
+    home = {}
+    for lab, by_page in tasks.items():
+        pages = sorted(by_page, key=_page_rank)
+        home[lab] = next((pg for pg in pages if len(by_page[pg]) > 1), pages[0])
+    order = sorted(home, key=lambda lab: (lab != "full", _page_rank(home[lab]), lab))
+    for r in records:
+        r["_rank"] = order.index(r["_label"])
+
+
+def row_order(recs: list[dict]) -> list[str]:
+    """The row labels of these records, in their `_rank` order."""
+    ranks = {r["_label"]: r["_rank"] for r in recs}
+    return sorted(ranks, key=ranks.get)
+
+
+def cell_text(measures: list[tuple], binary: bool, show_n: bool) -> str:
+    """One cell: accuracy % and, for a binary task, its Wilson interval; several different
+    measurements of the same cell (pages measured apart) are all shown, with ' / '."""
+    parts = []
+    for acc, n, _seed in measures:
+        txt = f"{100 * acc:.0f}"
+        if binary:
+            lo, hi = report.wilson(acc * n, n)
+            txt += f" [{100 * lo:.0f}, {100 * hi:.0f}]"
+        parts.append(txt + (f" (n={n})" if show_n else ""))
+    return " / ".join(parts)
+
+
+def _cells(recs: list[dict], task: str, binary: bool) -> tuple[list, dict, dict, list]:
+    """(budgets, {(label, budget): cell text}, {label: pages}, notes) of one task."""
+    recs = [r for r in recs if r["task"] == task]
+    budgets = sorted({r.get("budget") for r in recs}, key=_budget_key)
+    measures: dict[tuple, list] = defaultdict(list)
+    pages: dict[str, list] = defaultdict(list)
+    for r in recs:
+        m = (r["accuracy"], r["samples"], r.get("seed"))
+        if m not in measures[r["_label"], r.get("budget")]:
+            measures[r["_label"], r.get("budget")].append(m)
+        if r["_page"] and r["_page"] not in pages[r["_label"]]:
+            pages[r["_label"]].append(r["_page"])
+    show_n = len({r["samples"] for r in recs}) > 1
+    cells, notes = {}, []
+    for (label, b), ms in measures.items():
+        cells[label, b] = cell_text(ms, binary, show_n)
+        if len(ms) > 1:
+            files = sorted({r["_file"] for r in recs
+                            if r["_label"] == label and r.get("budget") == b})
+            notes.append(f"{label} @{_budget_text(b)} on {task}: measured differently in "
+                         + ", ".join(f"`{f}`" for f in files))
+    return budgets, cells, pages, notes
+
+
+def _pages_text(pages: list[str]) -> str:
+    return ", ".join(_link(p) for p in sorted(pages, key=_page_rank))
+
+
+def task_table(recs: list[dict], task: str, binary: bool) -> tuple[str, list[str]]:
+    """(markdown table of methods x budgets for one task, notes on cells measured twice)."""
+    budgets, cells, pages, notes = _cells(recs, task, binary)
+    head = ["method", *(f"@{_budget_text(b)}" for b in budgets), "pages"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label in row_order([r for r in recs if r["task"] == task]):
+        row = [cells.get((label, b), "") for b in budgets]
+        lines.append("| " + " | ".join([label, *row, _pages_text(pages[label])]) + " |")
+    return "\n".join(lines), notes
+
+
+def methods_by_tasks(recs: list[dict], tasks: list[str], binary: dict) -> tuple[str, list]:
+    """One table of methods x tasks, for a group where every record has the same budget."""
+    cells, pages, notes = {}, defaultdict(list), []
+    for t in tasks:
+        _, c, pg, nt = _cells(recs, t, binary[t])
+        cells.update({(label, t): text for (label, _b), text in c.items()})
+        for label, ps in pg.items():
+            pages[label] += [p for p in ps if p not in pages[label]]
+        notes += nt
+    head = ["method", *tasks, "pages"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join([label, *(cells.get((label, t), "") for t in tasks),
+                                 _pages_text(pages[label])]) + " |"
+              for label in row_order(recs)]
+    return "\n".join(lines), notes
+
+
+def plot_group(recs: list[dict], tasks: list[str], path: Path, title: str) -> Path | None:
+    """Accuracy (%) against live KV fraction: a panel per task, a line per method (the
+    budgets its points), `full` a horizontal line; styles from `report.line_style`. The
+    legend takes the grid's first free panel, or a row of its own below."""
+    plt = report.pyplot()
+    if plt is None:
+        return None
+    labels = [lab for lab in row_order(recs) if lab != "full"]
+    style = {r["_label"]: report.line_style(r["_rank"] - 1) for r in recs}
+    ncol = min(len(tasks), 3)
+    free = (-len(tasks)) % ncol
+    nrow = math.ceil(len(tasks) / ncol) + (0 if free else 1)
+    legend_rows = math.ceil((len(labels) + 1) / (1 if free else 3 * ncol // 2))
+    heights = [3.6] * math.ceil(len(tasks) / ncol) + ([] if free else
+                                                        [0.2 + 0.17 * legend_rows])
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.6 * ncol, sum(heights) + 0.4),
+                             squeeze=False, gridspec_kw={"height_ratios": heights})
+    handles: dict[str, object] = {}
+    for ax, task in zip(axes.flat, tasks):
+        here = [r for r in recs if r["task"] == task]
+        for r in here:
+            if r["_label"] == "full":
+                h = ax.axhline(100 * r["accuracy"], color="k", linewidth=1.2,
+                               linestyle=(0, (1, 1)))
+                handles.setdefault("full", h)
+        for lab in labels:
+            pts = sorted({(r["kv_fraction"], 100 * r["accuracy"]) for r in here
+                          if r["_label"] == lab and r.get("kv_fraction") is not None})
+            if pts:
+                (h,) = ax.plot(*zip(*pts), label=lab, **style[lab])
+                handles.setdefault(lab, h)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-5, 105)
+        ax.set_title(task, fontsize=10)
+        ax.set_xlabel("live KV / full cache", fontsize=9)
+        ax.set_ylabel("accuracy (%)", fontsize=9)
+        ax.grid(alpha=0.3)
+    rest = list(axes.flat[len(tasks):])
+    for ax in rest:
+        ax.axis("off")
+    order = [lab for lab in ["full", *labels] if lab in handles]
+    if free:  # the legend in the first free panel, one or two columns
+        rest[0].legend([handles[k] for k in order], order, loc="center", fontsize=7.5,
+                       ncol=1 if len(order) <= 18 else 2, frameon=False)
+    else:
+        for ax in axes[-1]:
+            ax.remove()
+        fig.legend([handles[k] for k in order], order, loc="lower center", frameon=False,
+                   ncol=3 * ncol // 2, fontsize=7.5)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    _quantize(path)
+    return path
+
+
+def _quantize(path: Path) -> None:
+    """Rewrite a PNG with a 64-colour palette (a third of its size; the folder stays small)."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return
+    with Image.open(path) as im:
+        small = im.convert("RGB").quantize(colors=64, method=Image.Quantize.MEDIANCUT)
+    small.save(path, optimize=True)
+
+
+def page_list(results: Path, records: list[dict]) -> list[str]:
+    counts: dict[str, int] = defaultdict(int)
+    for r in records:
+        if r["_page"]:
+            counts[r["_page"]] += 1
+    lines = ["| page | what | records here |", "|---|---|---|"]
+    pages = sorted((p.relative_to(results).as_posix() for p in results.rglob("*.md")
+                    if p.name != "README.md"), key=lambda p: (_page_rank(p), p))
+    for page in pages:
+        first = (results / page).read_text().splitlines()[:1]
+        title = first[0].lstrip("# ").strip() if first else page
+        n = counts.get(page, 0)
+        lines.append(f"| {_link(page)} | {title} | "
+                     f"{n if n else 'none (timings, memory or kernels)'} |")
+    return lines
+
+
+def _samples_note(records: list[dict]) -> str:
+    ns = sorted({r["samples"] for r in records})
+    n = ns[0]
+    lo, _ = report.wilson(n, n)
+    head = (f"Every cell is {n} samples" if len(ns) == 1 else
+            f"Cells are {', '.join(map(str, ns))} samples (the smallest: {n})")
+    return (f"{head}: one sample is {100 / n:.3g} points, and {n} of {n} reads "
+            f"[{100 * lo:.0f}, 100]; read trends across budgets and tasks, not single cells.")
+
+
+def _header(records: list[dict], files: list[str], weights: list, binary: dict) -> list[str]:
+    """The page's title and how to read it: the weights, the cells, the columns."""
+    yes = ", ".join(f"`{t}`" for t, b in binary.items() if b)
+    no = ", ".join(f"`{t}`" for t, b in binary.items() if not b)
+    cells = f"- Cells: accuracy in %, then its Wilson 95% interval in brackets for the tasks " \
+        f"scored 0 or 1 per sample ({yes}). "
+    if no:
+        cells += (f"{no} score each sample by the fraction of its answers given: their cells "
+                  "are mean scores, with no interval. ")
+    unbudgeted = ", ".join(f"`{m}`" for m in sorted({r["method"] for r in records
+                                                      if r.get("budget") is None}))
+    models = "; ".join(report.model_line([r for r in records if _weights(r) == w])
+                       for w in weights)
+    return [
+        "# Results overview",
+        "",
+        ("Every accuracy record of the pages below, in one place: for each scenario and "
+         "context length, a table per task of methods x budgets, and a plot. Written by "
+         f"`python scripts/results_overview.py` from the {len(records)} records of "
+         f"{len(files)} `python -m kvjax.run` outputs in this folder; nothing here is "
+         "measured by the script, and every number is a record's. Edit the pages and their "
+         "records, then re-run the script."),
+        "",
+        f"- Weights: {models}.",
+        cells + _samples_note(records),
+        ("- Columns `@B`: the budget the method ran at (`--budget`, or the ratio's "
+         "`int(n (1 - r))`; what it bounds differs by method: the \"Budgets\" paragraph of "
+         f"the [README](../../README.md)). `@none`: no budget ({unbudgeted}; SlimInfer and "
+         "LazyLLM prune by their schedules' fractions of the prompt). The plots put every "
+         "method on one axis instead: the live KV bytes after prefill as a fraction of the "
+         "full cache."),
+        ("- A method measured with different parameters by two pages is two rows, named by "
+         "the parameters that differ (e.g. ASL's observation window `l_obs`). A cell "
+         "measured by several pages with the same settings shows once when they agree, and "
+         "each measurement, with a note at the end, when they do not."),
+        ("- Scenarios: question-aware compresses context and question together; "
+         "context-only compresses the context alone and appends the question after."),
+    ]
+
+
+def overview(results: Path, out: Path) -> str:
+    records = load(results)
+    if not records:
+        raise SystemExit(f"no kvjax.run accuracy records under {results}")
+    label_variants(records)
+    rank_rows(records)
+    files = sorted({r["_file"] for r in records})
+    groups: dict[tuple, list] = defaultdict(list)
+    for r in records:
+        groups[_weights(r), r["scenario"], r["context_length"]].append(r)
+    weights = sorted({k[0] for k in groups}, key=str)
+    binary = {t: binary_task(t) for t in sorted({r["task"] for r in records})}
+    parts = _header(records, files, weights, binary)
+    all_notes = []
+    for (w, scenario, ctx), recs in sorted(groups.items(), key=lambda kv: (
+            str(kv[0][0]), kv[0][1] != "question_aware", kv[0][1], kv[0][2])):
+        tasks = sorted({r["task"] for r in recs})
+        samples = sorted({r["samples"] for r in recs})
+        name = SCENARIO_NAMES.get(scenario, scenario)
+        heading = f"{name}, context {ctx}"
+        if len(weights) > 1:
+            heading += f" ({report.model_line(recs)})"
+        seeds = ", ".join(sorted({str(r.get("seed")) for r in recs}))
+        pages = ", ".join(_link(p) for p in sorted({r["_page"] for r in recs if r["_page"]},
+                                                   key=_page_rank))
+        parts += ["", f"## {heading}", "", (f"{len(recs)} records; {', '.join(map(str, samples))}"
+                                             f" samples a cell, seed {seeds}; from {pages}.")]
+        stem = f"overview_{scenario}_{ctx}" + (f"_{w[1][:8]}" if len(weights) > 1 else "")
+        png = plot_group(recs, tasks, out / f"{stem}.png",
+                         f"{name}, context {ctx}: accuracy vs live KV fraction "
+                         f"({'/'.join(map(str, samples))} samples a point)")
+        if png is not None:
+            parts += ["", f"![{heading}]({png.name})"]
+        if len({r.get("budget") for r in recs}) == 1:  # one column a task: one table
+            table, notes = methods_by_tasks(recs, tasks, binary)
+            parts += ["", ("Accuracy %, Wilson 95% interval (mean score % where no "
+                           f"interval), budget {_budget_text(recs[0].get('budget'))}:"),
+                      "", table]
+            all_notes += notes
+            continue
+        for task in tasks:
+            table, notes = task_table(recs, task, binary[task])
+            kind = "accuracy %, Wilson 95% interval" if binary[task] else \
+                "mean score % (not 0/1 per sample: no interval)"
+            parts += ["", f"### {task}, {name}, context {ctx}", "", f"{kind}:", "", table]
+            all_notes += notes
+    if all_notes:
+        parts += ["", "## Cells measured differently by two pages", "",
+                  *[f"- {n}" for n in all_notes]]
+    parts += ["", "## Pages", "", *page_list(results, records)]
+    text = "\n".join(parts) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "README.md").write_text(text)
+    return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", type=Path, default=ROOT / "docs" / "results",
+                   help="folder of the results pages and their kvjax.run records")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where README.md and its plots go (default: --results)")
+    a = p.parse_args(argv)
+    text = overview(a.results, a.out or a.results)
+    print(f"wrote {(a.out or a.results) / 'README.md'} ({len(text.splitlines())} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

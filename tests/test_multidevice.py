@@ -1,0 +1,223 @@
+"""Multi-device runs on 8 emulated CPU devices give the single-device results.
+
+- the compression step per device (`kvjax.distributed.shard_heads`, a `jax.shard_map` over
+  the KV heads) keeps the single-device entries and gives the single-device tokens for
+  SnapKV, Ada-SnapKV (flattened top-k across devices), LAVa (flattened ranks and layer
+  budgets across devices) and H2O (decode-time eviction), on (8, 1), (4, 2), (2, 4);
+- the cross-device top-k and ranks equal the single-device ones on scores full of ties;
+- a batch of 3 on data=2 is padded and gives the same tokens and statistics;
+- `kvjax.load(..., mesh=)` puts each weight on its shards; `generate(mesh=...)`, the
+  CLI's `--mesh` and its errors.
+
+The device count is fixed when jax initialises, so the 8-device checks run in one
+subprocess (small model, short prompts: CI has 2 cores).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import contextlib, io, json, os, tempfile
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from jax.sharding import PartitionSpec as P
+    import kvjax
+    from kvjax import distributed, engine, methods, run
+    from kvjax.compress import budgets
+    from kvjax.compress.heads import Heads, flat_top_mask
+    from kvjax.config import ModelConfig
+    from kvjax.methods.lava import cascade
+    from kvjax.train import export_model, init_params
+    assert len(jax.devices()) == 8
+
+    # ---- the collectives on scores full of ties (+-inf included) ----
+    rng = np.random.default_rng(0)
+    B, K, n = 2, 8, 11
+    s = rng.integers(0, 3, (B, K, n)).astype(np.float32)
+    s[rng.random(s.shape) < 0.1] = -np.inf
+    s_inf = np.where(rng.random(s.shape) < 0.05, np.inf, s).astype(np.float32)
+    total = rng.integers(1, 4 * K, B)
+    b, ns, base = rng.integers(1, 5, (B, 1)), rng.integers(0, 3, B), rng.integers(1, 9, B)
+    hr = cascade.head_rank(jnp.asarray(s))
+    rows = lambda x: jnp.broadcast_to(jnp.asarray(x).reshape(B, 1), (B, K))
+    H = Heads("model")
+    checks = {
+        "flat_top_mask": (lambda x, t: flat_top_mask(x, t[:, 0], 4 * K, H),
+                          flat_top_mask(jnp.asarray(s_inf), jnp.asarray(total), 4 * K),
+                          (s_inf, rows(total))),
+        "flattened_heads": (
+            lambda x, bb, nn: budgets.flattened_heads(x, bb[:, :1], nn[:, 0], 4, 2, heads=H),
+            budgets.flattened_heads(jnp.asarray(s_inf), jnp.asarray(b), jnp.asarray(ns), 4, 2),
+            (s_inf, rows(b), rows(ns))),
+        "adakv_code_counts": (
+            lambda x, bb: budgets.adakv_code_counts(x, bb[:, 0], 0.2, H),
+            budgets.adakv_code_counts(jnp.asarray(s), jnp.asarray(base), 0.2), (s, rows(base))),
+    }
+    for cap in (3, n):
+        checks[f"flat_rank cap={cap}"] = (
+            lambda x, h, cap=cap: cascade.flat_rank(x, h < cap, H, cap),
+            cascade.flat_rank(jnp.asarray(s), hr < cap), (s, hr))
+        checks[f"cap_rank cap={cap}"] = (
+            lambda x, h, cap=cap: cascade.cap_rank(x, h, cap, H),
+            cascade.cap_rank(jnp.asarray(s), hr, cap), (s, hr))
+    for M in (2, 8):
+        mesh = distributed.make_mesh(8 // M, M)
+        for what, (f, ref, args) in checks.items():
+            got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(None, "model"),) * len(args),
+                                        out_specs=P(None, "model"), check_vma=False))(*args)
+            assert np.array_equal(np.asarray(ref), np.asarray(got)), (what, M)
+
+    # ---- engine.run on meshes: kept sets, budgets and tokens of one device ----
+    cfg = ModelConfig(family="llama", vocab_size=1408, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8,
+                      max_position_embeddings=256, bos_token_id=1, eos_token_ids=(2,))
+    params = init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+    prompts = [list(rng.integers(3, 64, m)) for m in (40, 33, 57, 21, 48, 60, 36, 44)]
+
+    def kept(g):
+        return np.sort(np.where(np.asarray(g.cache.valid), np.asarray(g.cache.pos), -1), -1)
+
+    run_kw = dict(max_new_tokens=3, stop_ids=())
+    for name, kw in [("snapkv", dict(budget=12, window=4)),
+                     ("ada_snapkv", dict(budget=12, window=4)),
+                     ("lava", dict(budget=12, window=4)), ("h2o", dict(budget=12))]:
+        m = methods.create(name, **kw)
+        ref = engine.run(params, cfg, prompts, m, **run_kw)
+        for data, model in [(8, 1), (4, 2), (2, 4)]:
+            mesh = distributed.make_mesh(data, model)
+            g = engine.run(params, cfg, prompts, m, mesh=mesh, **run_kw)
+            where = (name, data, model)
+            assert g.tokens == ref.tokens, where
+            assert np.array_equal(kept(g), kept(ref)), where
+            assert g.stats["layer_budgets"] == ref.stats["layer_budgets"], where
+            assert g.stats["kv_bytes_live"] == ref.stats["kv_bytes_live"], where
+            want = "shard_map" if model > 1 else "xla"
+            assert g.stats["mesh"] == {"data": data, "model": model, "compression": want}, where
+            spec = tuple(g.cache.k.sharding.spec) + (None,) * 5
+            assert spec[1:3] == ("data", "model" if model > 1 else None), (where, spec)
+            if name == "lava":  # sums over heads in another order: last-bit differences
+                np.testing.assert_allclose(g.stats["layer_weight"], ref.stats["layer_weight"],
+                                           rtol=1e-5)
+
+    # ---- a batch of 3 on data=2: padded, the same tokens and statistics ----
+    m = methods.create("ada_snapkv", budget=12, window=4)
+    ref = engine.run(params, cfg, prompts[:3], m, **run_kw)
+    g = engine.run(params, cfg, prompts[:3], m, mesh=distributed.make_mesh(2, 4), **run_kw)
+    assert g.tokens == ref.tokens and len(g.tokens) == 3
+    assert g.cache.k.shape[1] == 3 and np.array_equal(kept(g), kept(ref))
+    for k in ("layer_budgets", "kv_bytes_live", "kv_bytes_allocated", "kv_bytes_full",
+              "prompt_tokens"):
+        assert g.stats[k] == ref.stats[k], k
+    q = [list(rng.integers(3, 64, 5)) for _ in range(3)]  # context-only, padded too
+    ref_q = engine.run(params, cfg, prompts[:3], m, questions=q, **run_kw)
+    g = engine.run(params, cfg, prompts[:3], m, questions=q, mesh=distributed.make_mesh(2, 2),
+                   **run_kw)
+    assert g.tokens == ref_q.tokens
+
+    # ---- load straight into shards; generate / compress with mesh= ----
+    tmp = tempfile.mkdtemp()
+    export_model(tmp, cfg, params, {"model": {}})  # with the task tokenizer, for the CLI
+    sharded = kvjax.load(tmp, mesh="data=2,model=4")
+    whole = kvjax.load(tmp)
+    assert sharded.mesh.shape == {"data": 2, "model": 4}
+    heads_axis = {"q": 2, "k": 2, "v": 2, "o": 1, "gate": 2, "up": 2, "down": 1}
+    for k, x in sharded.params["layers"].items():
+        want = [None] * x.ndim
+        if k in heads_axis:
+            want[heads_axis[k]] = "model"
+        assert tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec)) == \\
+            tuple(want), (k, x.sharding.spec)
+        shard = x.addressable_shards[0].data.shape
+        assert shard[heads_axis.get(k, 0)] == x.shape[heads_axis.get(k, 0)] // (
+            4 if k in heads_axis else 1), (k, shard)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(whole.params["layers"][k]))
+    assert sharded.params["embed"].sharding.spec == P()
+    r1 = kvjax.generate(sharded, prompts[:3], m, **run_kw)  # on the model's mesh
+    assert r1.tokens == ref.tokens and r1.stats["mesh"]["compression"] == "shard_map"
+    r2 = kvjax.generate(whole, prompts[0], m, mesh="data=1,model=2", **run_kw)
+    assert r2.tokens == ref.tokens[0]
+    cache, stats = kvjax.compress(whole, prompts[:3], m, mesh=sharded.mesh)
+    assert cache.k.shape[1] == 3 and stats["mesh"]["data"] == 2
+    try:
+        kvjax.load(tmp, mesh="data=1,model=8")  # 8 does not divide the 4 KV heads
+        raise SystemExit("a mesh that does not divide the heads was accepted")
+    except ValueError as e:
+        assert "must divide" in str(e), e
+
+    # ---- the CLI: --mesh records, the same predictions, errors in one line ----
+    def cli(*argv):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = run.main(list(argv))
+        return rc, err.getvalue().strip().splitlines()
+
+    base = ["--model", tmp, "--method", "snapkv", "--budget", "48", "--task", "passkey",
+            "--context", "128", "--samples", "3", "--max-new-tokens", "3", "--no-progress",
+            "--details", "--overwrite"]
+    with tempfile.TemporaryDirectory() as d:
+        for tag, extra in (("one", []), ("mesh", ["--mesh", "data=2,model=2"])):
+            rc, lines = cli(*base, "--output", f"{d}/{tag}.json", *extra)
+            assert rc == 0, (tag, lines[-3:])
+        one, two = (json.load(open(f"{d}/{t}.json"))["records"][0] for t in ("one", "mesh"))
+    assert one["mesh"] is None
+    assert two["mesh"] == {"data": 2, "model": 2, "compression": "shard_map"}, two["mesh"]
+    assert [x["prediction"] for x in one["details"]] == [x["prediction"] for x in two["details"]]
+    assert two["job"]["mesh"] == "data=2,model=2" and "mesh" not in one["job"]
+    for argv, says in ((["--mesh", "data=16,model=1"], "needs 16 devices"),
+                       (["--mesh", "data=1,model=8"], "must divide"),
+                       (["--mesh", "model=2"], "data=D,model=M")):
+        rc, lines = cli(*base, *argv)
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error:"), (argv, lines)
+        assert says in lines[0], (argv, lines)
+    print("OK")
+""")
+
+
+def test_meshes_give_the_single_device_results():
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0 and "OK" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
+
+
+def test_pad_batch_and_parse_mesh():
+    from kvjax import distributed
+
+    assert distributed.parse_mesh(" data=4, model=2 ") == (4, 2)
+    for bad in ("model=2", "data=0,model=1", "data=2;model=2", "data=a,model=1"):
+        with pytest.raises(ValueError, match="data=D,model=M"):
+            distributed.parse_mesh(bad)
+    p, q = distributed.pad_batch([[1], [2, 3], [4]], [[5], [6], [7]], 2)
+    assert p == [[1], [2, 3], [4], [4]] and q == [[5], [6], [7], [7]]
+    p, q = distributed.pad_batch([[1], [2]], None, 2)
+    assert p == [[1], [2]] and q is None
+    assert distributed.as_mesh(None) is None
+    with pytest.raises(TypeError, match="Mesh"):
+        distributed.as_mesh(3)
+
+
+def test_scaling_benchmark_runs_every_mesh(tmp_path):
+    """`python -m kvjax.bench.multidevice` on 4 emulated devices: a row per method and mesh,
+    each mesh's tokens equal to one device's (the speed figures are not checked: emulated
+    devices share the cores)."""
+    import os
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    r = subprocess.run([sys.executable, "-m", "kvjax.bench.multidevice", "--context", "128",
+                        "--batch", "4", "--layers", "1", "--hidden", "128", "--intermediate",
+                        "256", "--heads", "8", "--kv-heads", "4", "--head-dim", "16", "--vocab",
+                        "256", "--budget", "48", "--new-tokens", "2", "--methods",
+                        "full,ada_snapkv"], capture_output=True, text=True, timeout=600,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines()
+            if line.split()[:1] in (["full"], ["ada_snapkv"])]
+    # default meshes for 4 devices: 1x1, 4x1, 1x4, 2x2
+    assert [(row[0], row[1]) for row in rows] == [
+        (m, s) for m in ("full", "ada_snapkv") for s in ("1x1", "4x1", "1x4", "2x2")]
+    assert all(row[-1] == "True" for row in rows), r.stdout

@@ -1,0 +1,60 @@
+"""The prompt's fused attention path (`attention.attend_fused`, cuDNN's flash attention on
+an NVIDIA GPU) against kvjax's chunked attention, through the same `jax.nn` call's xla
+implementation on CPU: left and right padding, a sliding window, and whole runs of methods
+of the three prefill kinds (the kept sets and tokens must not move).
+
+Tolerance: 1e-5 absolute on unit-scale random inputs (fp32; the two sum in other orders)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import engine, methods
+from kvjax.config import ModelConfig
+from kvjax.models import attention
+from kvjax.pallas import Kernels
+from kvjax.train import init_params
+
+CFG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                  num_layers=6, num_heads=4, num_kv_heads=2, head_dim=8,
+                  max_position_embeddings=512, bos_token_id=1, eos_token_ids=(2,))
+
+
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("pad", ["left", "right"])
+def test_fused_equals_chunked(sliding_window, pad):
+    B, T, H, K, D = 2, 40, 4, 2, 8
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(ks[0], (B, T, H, D))
+    k, v = (jax.random.normal(x, (B, K, T, D)) for x in ks[1:])
+    valid = jnp.ones((B, T), bool)
+    valid = valid.at[0, :10].set(False) if pad == "left" else valid.at[0, 30:].set(False)
+    pos = engine.positions(valid, jnp.zeros((B,), jnp.int32))
+    kpos, kval = (jnp.broadcast_to(x[:, None], (B, K, T)) for x in (pos, valid))
+    ref = attention.attend_chunked(q, k, v, pos, kpos, kval, sliding_window)
+    got = attention.attend_prompt(q, k, v, pos, kpos, kval, sliding_window, "fused_xla")
+    keep = np.asarray(valid)[:, :, None, None]
+    np.testing.assert_allclose(np.where(keep, got, 0), np.where(keep, ref, 0), atol=1e-5)
+    assert not np.any(np.asarray(got)[~np.asarray(valid)])  # padding queries: zeros
+
+
+@pytest.mark.parametrize("name, kw", [("full", {}), ("snapkv", dict(budget=40, window=8)),
+                                      ("asl", dict(select_k=40, window=8, tau=0.9)),
+                                      ("lazyllm", dict(layers=(2, 4)))])
+def test_runs_are_equal_with_the_fused_prompt_attention(name, kw):
+    params = init_params(CFG, jax.random.PRNGKey(0), std=0.3)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, 64, n)) for n in (90, 117)]
+    m = methods.create(name, **kw)
+    a = engine.run(params, CFG, prompts, m, max_new_tokens=6, stop_ids=())
+    b = engine.run(params, CFG, prompts, m, max_new_tokens=6, stop_ids=(),
+                   kernels=Kernels(prefill_attention="fused_xla"))
+    assert a.tokens == b.tokens
+    np.testing.assert_array_equal(np.asarray(a.cache.valid), np.asarray(b.cache.valid))
+    np.testing.assert_array_equal(np.where(a.cache.valid, a.cache.pos, -1),
+                                  np.where(b.cache.valid, b.cache.pos, -1))
+    assert a.stats["kernels"]["prefill_attention"] == "xla"  # the default on CPU
+    assert b.stats["kernels"]["prefill_attention"] == "fused_xla"

@@ -1,0 +1,92 @@
+"""scripts/results_overview.py: docs/results/README.md from the pages' records."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+RESULTS = ROOT / "docs" / "results"
+
+
+@pytest.fixture(scope="module")
+def ov():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return runpy.run_path(str(ROOT / "scripts" / "results_overview.py"))
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+
+def _record(method, budget, task, acc, **kw):
+    return {"method": method, "budget": budget, "task": task, "accuracy": acc,
+            "context_length": kw.pop("context", 512), "scenario": kw.pop("scenario",
+                                                                         "question_aware"),
+            "samples": kw.pop("samples", 8), "seed": 0, "kv_fraction": kw.pop("kv", 0.25),
+            "method_params": kw.pop("params", {}), "model": "tiny-retrieval",
+            "model_weights": {"sha256": "ab" * 32, "trained_steps": 6700}, **kw}
+
+
+def _write(folder: Path, name: str, records: list[dict], title: str | None = None):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps({"records": records}))
+
+
+def test_overview_keeps_measurements_apart(ov, tmp_path):
+    res = tmp_path / "results"
+    (res / "base.md").parent.mkdir(parents=True)
+    (res / "base.md").write_text("# Base page\n")
+    (res / "other.md").write_text("# Other page\n")
+    (res / "speed.md").write_text("# Timings\n")
+    _write(res, "base_question_aware", [
+        _record("full", None, "passkey", 1.0, kv=1.0),
+        _record("snapkv", 64, "passkey", 0.75, kv=0.125),
+        _record("snapkv", 128, "passkey", 1.0, kv=0.25),
+        _record("snapkv", 64, "frequent_words", 0.4, kv=0.125),
+        _record("snapkv", 64, "passkey", 0.5, kv=0.125, scenario="context_only"),
+        _record("snapkv", 64, "passkey", 0.25, kv=0.125, context=2048)])
+    _write(res, "other_x", [
+        _record("snapkv", 128, "passkey", 1.0, kv=0.25),           # the same: shown once
+        _record("snapkv", 64, "passkey", 0.5, kv=0.125, seed=1),   # measured differently
+        _record("asl", 64, "passkey", 0.5, params={"l_obs": 3}),
+        _record("asl", 128, "passkey", 0.5, params={"l_obs": 3})])
+    _write(res, "base_y", [_record("asl", 64, "passkey", 0.0, params={"l_obs": 8})])
+    out = tmp_path / "out"
+    text = ov["overview"](res, out)
+    assert text == (out / "README.md").read_text()
+    # one section per scenario and context, one plot each
+    for head, png in [("question-aware, context 512", "overview_question_aware_512.png"),
+                      ("context-only, context 512", "overview_context_only_512.png"),
+                      ("question-aware, context 2048", "overview_question_aware_2048.png")]:
+        assert f"## {head}" in text
+        if ov["report"].pyplot() is not None:
+            assert (out / png).exists() and f"]({png})" in text
+    # Wilson intervals on a binary task, none on a non-binary one
+    assert ("| snapkv |  | 75 [41, 93] / 50 [22, 78] | 100 [68, 100] | [base](base.md), "
+            "[other](other.md) |") in text
+    assert "| snapkv | 40 | [base](base.md) |" in text
+    assert "mean score % (not 0/1 per sample: no interval)" in text
+    # variants named by what differs; a cell measured twice differently shows both + a note
+    assert "| asl (l_obs=8) |" in text and "| asl (l_obs=3) |" in text
+    assert "measured differently in `base_question_aware.json`, `other_x.json`" in text
+    # every page linked, pages without accuracy records said so
+    assert "| [speed](speed.md) | Timings | none (timings, memory or kernels) |" in text
+    assert "model tiny-retrieval at trained step 6700, weights sha256 abababababab" in text
+
+
+def test_docs_results_overview_is_current(ov, tmp_path):
+    """docs/results/README.md is what the script writes from the records beside it: re-run
+    `python scripts/results_overview.py` after changing a page's records."""
+    text = ov["overview"](RESULTS, tmp_path)
+    assert (RESULTS / "README.md").read_text() == text
+    for png in tmp_path.glob("*.png"):
+        assert (RESULTS / png.name).exists(), png.name
+
+
+def test_docs_results_stays_small():
+    size = sum(f.stat().st_size for f in RESULTS.rglob("*") if f.is_file())
+    assert size < 5_000_000, f"docs/results is {size / 1e6:.2f} MB: keep it under 5 MB"
