@@ -112,32 +112,14 @@ def _header(f: Path) -> tuple[dict, int]:
 
 
 def _read(f: Path, name: str) -> np.ndarray:
-    """One tensor, read straight from the file layout (safetensors' numpy reader has no bf16).
-    Every size is checked, so a truncated file names itself and the tensor."""
-    meta_all, start0 = _header(f)
-    if name not in meta_all:
-        raise ValueError(f"tensor {name} is not in {f} (its index says it is)")
-    meta = meta_all[name]
-    if meta["dtype"] not in _DTYPES:
-        raise ValueError(f"tensor {name} in {f} has unsupported dtype {meta['dtype']}")
-    start, stop = meta["data_offsets"]
-    dtype = np.dtype(_DTYPES[meta["dtype"]])
-    want = int(np.prod(meta["shape"], dtype=np.int64)) * dtype.itemsize
-    if stop - start != want:
-        raise ValueError(f"tensor {name} in {f}: shape {meta['shape']} of {meta['dtype']} "
-                         f"needs {want} bytes, its offsets span {stop - start}")
-    with open(f, "rb") as fh:
-        fh.seek(start0 + start)
-        buf = fh.read(stop - start)
-    if len(buf) != want:
-        raise ValueError(f"{f} is truncated: tensor {name} needs bytes {start0 + start}.."
-                         f"{start0 + stop}, the file ends at {f.stat().st_size}")
-    return np.frombuffer(buf, dtype).reshape(meta["shape"])
+    """One tensor, read straight from the file layout (safetensors' numpy reader has no bf16):
+    `_mapped`, read into memory."""
+    return np.array(_mapped(f, name))
 
 
 def _mapped(f: Path, name: str) -> np.ndarray:
-    """One tensor as a read-only memory map (a slice of it reads only its own bytes),
-    checked as `_read` checks it."""
+    """One tensor as a read-only memory map (a slice of it reads only its own bytes). Every
+    size is checked, so a truncated file names itself and the tensor."""
     meta_all, start0 = _header(f)
     if name not in meta_all:
         raise ValueError(f"tensor {name} is not in {f} (its index says it is)")
