@@ -36,6 +36,16 @@ import numpy as np
 SCENARIOS = ("question_aware", "context_only")
 EXIT_USAGE = 2  # every error: a bad input, a failed run (finished records kept)
 EXIT_INTERRUPTED = 130  # Ctrl-C (finished records kept)
+EXIT_TERMINATED = 143  # SIGTERM, 128 + 15 (finished records kept)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's kill, `timeout`), handled as Ctrl-C is: every finished record
+    kept, one line, exit 143."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated
 
 
 class UsageError(SystemExit):
@@ -745,10 +755,20 @@ def _one_line(x) -> str:
 
 
 def main(argv=None) -> int:
-    """The CLI. Returns 0, or 2 after one `error:` line (130 on Ctrl-C); with --debug an
-    error propagates with its traceback."""
+    """The CLI. Returns 0, or 2 after one `error:` line (130 on Ctrl-C, 143 on SIGTERM,
+    finished records kept); with --debug an error propagates with its traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        return _run_main(argv, debug)
+    finally:
+        if main_thread:  # None: a handler not installed from Python
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _run_main(argv: list[str], debug: bool) -> int:
     try:
         return _main(argv)
     except UsageError as e:
@@ -756,11 +776,11 @@ def main(argv=None) -> int:
             raise e.__cause__
         print(f"error: {_one_line(e.message)}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if debug:
             raise
-        print("error: interrupted before any record was finished", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        print(f"error: {_stopped(e)} before any record was finished", file=sys.stderr)
+        return _stop_status(e)
     except (ValueError, OSError) as e:  # refused inputs (model files, tasks, methods)
         if debug:
             raise
@@ -841,11 +861,11 @@ def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
                            f"{job.task:>16} ctx={str(job.context or '-'):>5} acc={rec['accuracy']:.3f} "
                            f"kv={rec['kv_fraction']:.3f} ttft={rec['ttft_s']*1e3:.1f}ms "
                            f"tpot={(rec['tpot_s'] or 0)*1e3:.2f}ms")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if args.debug:
             raise
-        print(f"error: interrupted; {_kept(out, finished, len(jobs))}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        print(f"error: {_stopped(e)}; {_kept(out, finished, len(jobs))}", file=sys.stderr)
+        return _stop_status(e)
     except Exception as e:
         what = _one_line(e) if isinstance(e, (ValueError, OSError)) else \
             f"internal error, {type(e).__name__}: {_one_line(e)} (--debug shows the traceback)"
@@ -857,19 +877,31 @@ def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
     return 0
 
 
+def _stopped(e: KeyboardInterrupt) -> str:
+    return "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+
+
+def _stop_status(e: KeyboardInterrupt) -> int:
+    return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
+
+
 @contextlib.contextmanager
 def _sigint_deferred():
-    """Ctrl-C while a record is written takes effect once it is written: the message then
-    counts exactly the records on disk."""
+    """Ctrl-C or SIGTERM while a record is written takes effect once it is written: the
+    message then counts exactly the records on disk."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda *a: caught.append(a))
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if signal.SIGTERM in caught:
+        raise Terminated
     if caught:
         raise KeyboardInterrupt
 

@@ -308,8 +308,11 @@ def test_cli_ctrl_c_keeps_records_in_process(model_dir, tmp_path, capsys, monkey
     assert [r["method"] for r in report.load_records(out)] == ["full"]
 
 
-def test_cli_sigint_keeps_records(model_dir, tmp_path):
-    """The real Ctrl-C: SIGINT to a running sweep once its first record is on disk."""
+@pytest.mark.parametrize("sig, rc, says", [("SIGINT", 130, "interrupted"),
+                                            ("SIGTERM", 143, "terminated (SIGTERM)")])
+def test_cli_signal_keeps_records(model_dir, tmp_path, sig, rc, says):
+    """The real Ctrl-C (SIGINT), and a scheduler's kill (SIGTERM), to a running sweep once
+    its first record is on disk."""
     import signal
     import time
 
@@ -322,13 +325,13 @@ def test_cli_sigint_keeps_records(model_dir, tmp_path):
     while not (out.exists() and out.read_text().count("\n") >= 2):
         assert p.poll() is None and time.time() - t0 < 120, p.stderr.read()
         time.sleep(0.05)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(getattr(signal, sig))
     err = p.communicate(timeout=60)[1]
     from kvjax import report
 
     n = len(report.load_records(out))
-    assert p.returncode == 130 and "Traceback" not in err, (p.returncode, err)
-    assert err.splitlines()[-1] == (f"error: interrupted; {n} of 11 records finished and kept "
+    assert p.returncode == rc and "Traceback" not in err, (p.returncode, err)
+    assert err.splitlines()[-1] == (f"error: {says}; {n} of 11 records finished and kept "
                                     f"in {out}; the same command with --resume runs the rest"), err
     assert 2 <= n < 11
 
