@@ -57,8 +57,18 @@ class Model:
 
         return tokenization.render_chat(self.text_format, text)
 
+    def special_text(self, text: str) -> str | None:
+        """The first of the checkpoint's special tokens written out in `text`, None when
+        there is none (`kvjax.tokenization.special_text`; always None without an HF
+        tokenizer)."""
+        if self.text_format is None:
+            return None
+        from kvjax import tokenization
+
+        return tokenization.special_text(self.tokenizer, text)
+
     def prompt_ids(self, context: str, question: str, chat: bool = False,
-                   sep: str = " ") -> tuple[list[int], list[int]]:
+                   sep: str = " ", special: bool = True) -> tuple[list[int], list[int]]:
         """The prompt `context + sep + question` as ids, cut where the context ends: (what
         the context-only scenario compresses, what it prefills on top). Joined, they are
         the question-aware prompt: the text is tokenized once and cut (`sep` goes with the
@@ -67,7 +77,8 @@ class Model:
         chat: the prompt is the user turn of the checkpoint's chat template; the
         compressed part is the rendering up to the context's end (system prompt, the
         turn's header, the context), the prefilled part the rest (the question, the turn's
-        end, the assistant's header)."""
+        end, the assistant's header). special (without chat): add the special tokens of a
+        prompt's start, as `encode(bos=...)`."""
         if self.tokenizer is None:
             raise ValueError(f"model {self.name!r} has no tokenizer to encode text with")
         if self.text_format is None:
@@ -75,7 +86,7 @@ class Model:
                 raise ValueError(f"model {self.name!r} has no chat template (its tokenizer is "
                                  "not an HF checkpoint's)")
             # the task tokenizer splits on whitespace: the two parts are the whole's ids
-            return self.encode(context), self.encode(question, bos=False)
+            return self.encode(context, bos=special), self.encode(question, bos=False)
         from kvjax import tokenization
 
         if chat:
@@ -83,7 +94,8 @@ class Model:
             return tokenization.split_ids(self.tokenizer, self.text_format, text, at,
                                           add_special_tokens=False)
         return tokenization.split_ids(self.tokenizer, self.text_format,
-                                      context + sep + question, len(context))
+                                      context + sep + question, len(context),
+                                      add_special_tokens=special)
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -137,7 +149,8 @@ def load(name_or_path: str | Path = "tiny-retrieval", dtype=jnp.float32, mesh=No
     """The bundled model by name, or a local HF checkpoint directory (no network).
 
     dtype: of the parameters (`resolve_dtype`: a dtype, its name, or "auto"). The stop
-    set (`cfg.eos_token_ids`) joins config.json's and generation_config.json's eos ids;
+    set (`cfg.eos_token_ids`) is generation_config.json's eos ids when it has them (as in
+    transformers' generate), else config.json's;
     an HF tokenizer is read as transformers reads it (`kvjax.tokenization`).
 
     mesh: a `jax.sharding.Mesh` or "data=D,model=M" (`kvjax.distributed`): each weight is

@@ -96,6 +96,18 @@ class ModelConfig:
                                                     layer in self.sliding_layers)
 
     @property
+    def max_positions(self) -> int:
+        """The longest sequence (prompt + new tokens) the model takes: `max_position_embeddings`,
+        or for yarn `factor * original_max_position_embeddings` when that is larger (Qwen2.5
+        and Qwen3 turn yarn on for long context and leave max_position_embeddings at the
+        original 32768; vLLM derives its limit the same way)."""
+        rs = self.rope_scaling
+        if rs is not None and rs.rope_type == "yarn":
+            return max(self.max_position_embeddings,
+                       int(rs.factor * rs.original_max_position_embeddings))
+        return self.max_position_embeddings
+
+    @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
@@ -217,10 +229,10 @@ def _count(hf: dict[str, Any], key: str) -> int:
 
 
 def _rope_theta(hf: dict[str, Any]) -> float:
-    if "rope_theta" in hf:
-        return float(hf["rope_theta"])
+    """transformers 5 (`convert_rope_params_to_dict`): `rope_parameters["rope_theta"]`
+    wins over the top-level field (which only fills it when absent); default 10000."""
     params = hf.get("rope_parameters") or {}
-    return float(params.get("rope_theta", 10000.0))
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
 def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:

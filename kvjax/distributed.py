@@ -23,8 +23,10 @@ included. Other methods (token selection, block pruning, TOVA's head mean, wrapp
 are partitioned by XLA.
 
 Multi-host: call `jax.distributed.initialize()` first (one process per host, the same
-command on every host); the mesh then spans every host's devices. Nothing here is
-host-specific (README, "Multi-device and multi-host").
+script on every host); the mesh then spans every host's devices (`make_mesh` refuses one
+that would leave a process out), and what the driver reads back to the host is gathered
+from every process first (`to_host`). Tested with two processes on one machine
+(tests/test_multidevice.py); README, "Multi-host".
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
         if data * model > len(devices):
             raise ValueError(f"mesh data={data},model={model} needs {data * model} devices; "
                              f"{len(devices)} {jax.default_backend()} device(s) available")
+        if jax.process_count() > 1 and data * model != len(devices):
+            # the first D * M devices could leave a process out: it then holds no shard
+            raise ValueError(f"mesh data={data},model={model}: a multi-process mesh spans "
+                             f"every process's devices, {len(devices)} here (pass devices= "
+                             "for another layout)")
         devices = devices[: data * model]
     devices = list(jax.devices() if devices is None else devices)
     data = len(devices) // model if data is None else data
@@ -100,7 +107,22 @@ def as_mesh(mesh, cfg: ModelConfig | None = None) -> Mesh | None:
                         f"{type(mesh).__name__}")
     if cfg is not None:
         check_mesh(mesh, cfg)
+    if any(t != AxisType.Auto for t in getattr(mesh, "axis_types", ())):
+        # `jax.make_mesh` gives Explicit axes, whose programs must name every output's
+        # sharding; kvjax's programs leave that to XLA (Auto), on the same devices
+        mesh = Mesh(mesh.devices, tuple(mesh.axis_names),
+                    axis_types=(AxisType.Auto,) * len(mesh.axis_names))
     return mesh
+
+
+def to_host(x) -> np.ndarray:
+    """`x` whole on the host. In a multi-process run an array sharded over other processes'
+    devices is gathered first (every process receives the whole array)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def describe(mesh: Mesh | None) -> dict | None:

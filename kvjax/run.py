@@ -340,11 +340,21 @@ def _encode(model, spec: TaskSpec, context: int | None, args) -> Prompts:
         cap = args.samples if args.samples_given else None
         samples = [samples[i] for i in idx[:cap]]
     arr = lambda ids: np.asarray(ids, np.int32)  # noqa: E731
-    if args.scenario == "question_aware" and not args.chat_template:
-        prompts, questions = [arr(model.encode(s.prompt)) for s in samples], None
+    # a benchmark text that already holds special tokens (RULER prepared with a model
+    # template) is encoded as written: no special tokens added, no chat template on top
+    marked = [None if spec.synthetic else model.special_text(s.prompt) for s in samples]
+    if args.chat_template and any(marked):
+        i = next(i for i, m in enumerate(marked) if m)
+        raise ValueError(f"line {samples[i].meta.get('line')} already holds chat markup "
+                         f"({marked[i]!r}): it was rendered when the file was made; drop "
+                         "--chat-template (such files are run as written)")
+    chat = [args.chat_template and s.chat for s in samples]
+    if args.scenario == "question_aware" and not any(chat):
+        prompts = [arr(model.encode(s.prompt, bos=not m)) for s, m in zip(samples, marked)]
+        questions = None
     else:  # one tokenization of the whole prompt, cut where the context ends
-        parts = [model.prompt_ids(s.context, s.question, chat=args.chat_template)
-                 for s in samples]
+        parts = [model.prompt_ids(s.context, s.question, chat=c, sep=s.sep, special=not m)
+                 for s, c, m in zip(samples, chat, marked)]
         if args.scenario == "question_aware":
             prompts, questions = [arr(c + q) for c, q in parts], None
         else:
@@ -395,9 +405,10 @@ def _resolved(method, d: Prompts, idx: list[int]):
 def _prompts_for(model, spec: TaskSpec, ctx: int | None, args) -> Prompts:
     from kvjax import engine
 
-    limit = model.cfg.max_position_embeddings
+    limit = model.cfg.max_positions
     if ctx is not None and ctx > limit:  # refused before a haystack of that size is built
-        raise UsageError(f"--context {ctx} exceeds the model's max_position_embeddings={limit}")
+        raise UsageError(f"--context {ctx} exceeds the model's maximum length {limit} tokens "
+                         "(max_position_embeddings, or yarn's factor x original length)")
     where = f"task {spec.name} at context {ctx}" if spec.synthetic else \
         f"task {spec.name} ({spec.path})"
     try:
@@ -418,7 +429,7 @@ def _check_lengths(d: Prompts, limit: int) -> None:
         if n + d.max_new[i] > limit:
             raise ValueError(f"the sample of line {s.meta.get('line')} has {n} prompt tokens "
                              f"+ max_new_tokens={d.max_new[i]}, beyond the model's "
-                             f"max_position_embeddings={limit}")
+                             f"maximum length {limit} tokens")
 
 
 def check_tasks(names: list[str]) -> list[TaskSpec]:

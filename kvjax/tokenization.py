@@ -129,6 +129,16 @@ def encode(tok, fmt: TextFormat, text: str, add_special_tokens: bool = True) -> 
     return [*fmt.prefix, *ids, *fmt.suffix] if add_special_tokens else ids
 
 
+def special_text(tok, text: str) -> str | None:
+    """The first special token written out in `text` (`<|begin_of_text|>`, `<|im_start|>`,
+    ...), None when there is none: such a text was already rendered with a chat template or
+    given its special tokens (RULER files prepared with a model template)."""
+    for t in tok.get_added_tokens_decoder().values():
+        if t.special and t.content and t.content in text:
+            return t.content
+    return None
+
+
 def split_ids(tok, fmt: TextFormat, text: str, at: int,
               add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
     """`encode(text)` cut at character `at`: the tokens starting before it (and the

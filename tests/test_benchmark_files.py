@@ -247,3 +247,59 @@ def test_chat_template_from_the_cli(hf_dir, tmp_path, capsys, scenario):
     lengths = [len(model.encode(s.prompt)) for s in loaders.load_longbench_jsonl(LB_QA)]
     assert plain["prompt_tokens"]["max"] == max(lengths) < max(want)
     assert plain["chat_template"] is False and "chat_template" not in plain["job"]
+
+
+def test_fraction_counts_in_decimals():
+    """ceil(f n) of the decimal f: 0.07 of 100 samples is 7 (the float product is
+    7.000000000000001); 0.071 of 100 is 8."""
+    from kvjax.tasks.loaders import take_fraction
+
+    assert len(take_fraction(100, 0.07, 0, "x")) == 7
+    assert len(take_fraction(100, 0.071, 0, "x")) == 8
+    assert len(take_fraction(1000, 0.29, 0, "x")) == 290
+    assert take_fraction(10, 1.0, 0, "x") == list(range(10))
+
+
+def test_ruler_prompt_is_the_files_text(hf_dir, tmp_path, capsys):
+    """A RULER prompt is `input + answer_prefix` byte for byte, as RULER sends it (split
+    at the question's line break for context-only, nothing stripped or re-joined). A file
+    prepared with a chat template already holds the markup: it runs as written (no special
+    tokens added on top: Qwen's and transformers' `add_special_tokens=False` ids), and
+    `--chat-template` on it is one error line."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    rows = [json.loads(line) for line in RULER_NIAH.read_text().splitlines() if line.strip()]
+    for r, s in zip(rows, loaders.load_ruler_jsonl(RULER_NIAH)):
+        assert s.prompt == r["input"] + r.get("answer_prefix", "")
+    rendered = tmp_path / "niah_rendered.jsonl"
+    rendered.write_text("".join(json.dumps({**r, "input": hf.apply_chat_template(
+        [{"role": "user", "content": r["input"]}], add_generation_prompt=True,
+        tokenize=False)}) + "\n" for r in rows))
+    samples = loaders.load_ruler_jsonl(rendered)
+    want = [len(hf(s.prompt, add_special_tokens=False)["input_ids"]) for s in samples]
+    for scenario in ("question_aware", "context_only"):
+        rec = _records(hf_dir, capsys, tmp_path / f"{scenario}.json", "--task",
+                       f"ruler:{rendered}", "--scenario", scenario)[0]
+        assert rec["prompt_tokens"] == {"mean": pytest.approx(sum(want) / len(want)),
+                                        "max": max(want)}
+    line = _error(capsys, "--model", str(hf_dir), "--task", f"ruler:{rendered}",
+                  "--chat-template", "--no-progress")
+    assert "already holds chat markup" in line and "<|im_start|>" in line
+
+
+def test_longbench_leaves_few_shot_and_code_unwrapped(tmp_path):
+    """LongBench's pred.py skips the chat template for trec, triviaqa, samsum, lsht, lcc and
+    repobench-p: their samples say so (`Sample.chat`), the others take it."""
+    import json
+
+    from kvjax.tasks import longbench_metrics as lb
+
+    assert lb.NO_CHAT == {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"}
+    assert all(s.chat for s in loaders.load_longbench_jsonl(LB_QA))
+    f = tmp_path / "mixed.jsonl"
+    f.write_text("".join(json.dumps({"dataset": d, "context": "c", "input": "q",
+                                     "answers": ["a"], "all_classes": ["a"]}) + "\n"
+                         for d in ("trec", "hotpotqa", "lcc")))
+    assert [s.chat for s in loaders.load_longbench_jsonl(f)] == [False, True, False]

@@ -171,7 +171,7 @@ BAD = [
     (["--method", "snapkv", "--ratio", "0.99"],
      "snapkv --ratio 0.99 on passkey at context 128: budget=1 must be larger than the 32"),
     (["--context", "-5"], "argument --context: -5 is outside the allowed range: an integer >= 1"),
-    (["--context", "5000"], "--context 5000 exceeds the model's max_position_embeddings=1024"),
+    (["--context", "5000"], "--context 5000 exceeds the model's maximum length 1024 tokens"),
     (["--context", "1e3"], "argument --context: '1e3' is not an integer"),
     (["--seed", "-1"], "argument --seed: -1 is outside the allowed range: an integer >= 0"),
     (["--samples", "0"], "argument --samples: 0 is outside"),

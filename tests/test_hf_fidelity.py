@@ -185,23 +185,32 @@ def test_task_tokenizer_is_unchanged():
 # ---- eos from generation_config.json ---------------------------------------------------------
 
 
-def test_eos_union_stops_where_hf_generate_stops(tmp_path):
+def test_generation_config_eos_stops_where_hf_generate_stops(tmp_path):
+    """generation_config.json's eos ids replace config.json's, as in transformers'
+    generate: config.json names a token generated before the instruct end-of-turn, and
+    neither HF nor kvjax stops there."""
     model = hf_models.build("llama_mha_tied")
     model.save_pretrained(tmp_path)
-    ids = np.random.default_rng(3).integers(3, 97, size=(1, 21))
-    with torch.no_grad():
-        free = model.generate(torch.tensor(ids), max_new_tokens=8, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, 21:].tolist()
-    stop = free[3]  # an instruct model's end-of-turn: only generation_config.json has it
+    for seed in range(3, 40):  # prompts whose free run has two distinct tokens, then a third
+        ids = np.random.default_rng(seed).integers(3, 97, size=(1, 21))
+        with torch.no_grad():
+            free = model.generate(torch.tensor(ids), max_new_tokens=8, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, 21:].tolist()
+        firsts = list(dict.fromkeys(t for t in free if t != 2))
+        if len(firsts) >= 2 and free.index(firsts[1]) < 7:
+            break
+    early, stop = firsts[0], firsts[1]  # stop: an end-of-turn only generation_config has
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": early}))
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 1, "eos_token_id": [2, stop], "do_sample": False}))
     ours = kvjax.load(tmp_path)
-    assert ours.cfg.eos_token_ids == (2, stop)  # config.json's 2 first, no duplicate
+    assert ours.cfg.eos_token_ids == (2, stop)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         ref = hf.generate(torch.tensor(ids), max_new_tokens=8, do_sample=False,
                           pad_token_id=0)[0, 21:].tolist()
-    assert ref[-1] in (2, stop) and len(ref) < 8
+    assert ref[-1] == stop and early in ref[:-1], (ref, early, stop)
     got = kvjax.generate(ours, ids[0], max_new_tokens=8).tokens
     assert got == ref[:-1]  # kvjax returns the tokens before the stop token
 
@@ -244,6 +253,32 @@ def test_yarn_frequencies_equal_transformers(rs, head_dim, theta, max_pos):
     back = ModelConfig.from_hf(cfg.to_hf())  # the written config reads back the same
     assert back.rope_scaling == cfg.rope_scaling
 
+
+
+def test_yarn_length_and_rope_theta_precedence():
+    """Qwen2.5's long-context yarn leaves max_position_embeddings at the original 32768:
+    the model takes factor x original tokens (vLLM's limit; transformers sets none). And
+    transformers 5 takes `rope_parameters["rope_theta"]` over the top-level field."""
+    from kvjax import engine
+
+    hf = transformers.Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=32768,
+                                  rope_theta=1e6, rope_scaling={
+                                      "rope_type": "yarn", "factor": 4.0,
+                                      "original_max_position_embeddings": 32768}).to_dict()
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.max_position_embeddings == 32768 and cfg.max_positions == 131072
+    assert engine.check_tokens(cfg, [[5] * 40000], None, 32) == 40000
+    with pytest.raises(ValueError, match="yarn length .*=131072"):
+        engine.check_tokens(cfg, [[5] * 131072], None, 1)
+    plain = ModelConfig.from_hf({**hf, "rope_scaling": None, "rope_parameters": None})
+    assert plain.max_positions == 32768
+    both = {k: v for k, v in hf.items() if k != "rope_scaling"}
+    both.update(rope_theta=1e4, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    assert ModelConfig.from_hf(both).rope_theta == 5e5
+    assert ModelConfig.from_hf({**both, "rope_parameters": {"rope_type": "default"}}
+                               ).rope_theta == 1e4
 
 def _prefill_logits(model, cfg, params, T=37, seed=1):
     ids = np.random.default_rng(seed).integers(3, cfg.vocab_size, size=(2, T))

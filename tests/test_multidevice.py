@@ -119,6 +119,20 @@ SCRIPT = textwrap.dedent("""
     g = engine.run(params, cfg, prompts[:3], m, questions=q, mesh=distributed.make_mesh(2, 2),
                    **run_kw)
     assert g.tokens == ref_q.tokens
+    # a mesh from jax.make_mesh (Explicit axes) is taken as the same devices with Auto axes
+    explicit = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    g = engine.run(params, cfg, prompts[:3], m, mesh=explicit, **run_kw)
+    assert g.tokens == ref.tokens
+
+    # ---- a decode statistic of a padded batch: the padding's rows dropped ----
+    d = methods.create("d2o_code", budget=12, full_first=0, full_last=0)
+    ref_d = engine.run(params, cfg, prompts[:3], d, **run_kw)
+    g = engine.run(params, cfg, prompts[:3], d, mesh=distributed.make_mesh(2, 1), **run_kw)
+    assert g.tokens == ref_d.tokens
+    per_element = [k for k, v in ref_d.stats.items() if isinstance(v, list) and len(v) == 3]
+    assert "budget_gap" in per_element, sorted(ref_d.stats)
+    for k in per_element:
+        assert len(g.stats[k]) == 3, k
 
     # ---- load straight into shards; generate / compress with mesh= ----
     tmp = tempfile.mkdtemp()
@@ -221,3 +235,71 @@ def test_scaling_benchmark_runs_every_mesh(tmp_path):
     assert [(row[0], row[1]) for row in rows] == [
         (m, s) for m in ("full", "ada_snapkv") for s in ("1x1", "4x1", "1x4", "2x2")]
     assert all(row[-1] == "True" for row in rows), r.stdout
+
+
+HOST_SCRIPT = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax
+    port, pid = sys.argv[1], int(sys.argv[2])
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                               process_id=pid)
+    import numpy as np
+    from kvjax import distributed, engine, methods
+    from kvjax.config import ModelConfig
+    from kvjax.train import init_params
+    assert jax.process_count() == 2 and len(jax.devices()) == 4
+    cfg = ModelConfig(family="llama", vocab_size=256, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8,
+                      max_position_embeddings=256, bos_token_id=1, eos_token_ids=(2,))
+    params = init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, 64, m)) for m in (40, 33, 57)]  # 3: padded to 4
+    mesh = distributed.make_mesh(2, 2)
+    for name in ("snapkv", "ada_snapkv"):
+        m = methods.create(name, budget=20, window=4)
+        one = engine.run(params, cfg, prompts, m, max_new_tokens=3, stop_ids=())
+        g = engine.run(params, cfg, prompts, m, mesh=mesh, max_new_tokens=3, stop_ids=())
+        assert g.tokens == one.tokens, (name, g.tokens, one.tokens)
+        assert g.stats["kv_bytes_live"] == one.stats["kv_bytes_live"], name
+    try:
+        distributed.make_mesh(1, 2)
+        raise AssertionError("a mesh leaving a process out was accepted")
+    except ValueError as e:
+        assert "every process's devices" in str(e)
+    print("OK", pid)
+""")
+
+
+def test_two_processes_give_the_single_device_results():
+    """Multi-host, emulated: two processes on this machine (`jax.distributed.initialize`
+    over localhost, 2 CPU devices each) run a (2, 2) mesh; each gets the single-device
+    tokens and statistics (results sharded over the other process are gathered), and a mesh
+    that would leave a process out is refused."""
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, "-c", HOST_SCRIPT, port, str(pid)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for pid in (0, 1)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for pid, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"OK {pid}" in out, (pid, out[-1000:], err[-3000:])
+
+
+def test_scaling_benchmark_meshes_fit_the_model():
+    """The default meshes keep only those whose model axis divides the KV heads (and MLP
+    width); a given one that does not is one error line before anything runs."""
+    from kvjax.bench import multidevice
+
+    assert multidevice._meshes(None, 8, lambda m: 4 % m == 0) == [(1, 1), (8, 1), (4, 2)]
+    assert multidevice._meshes(None, 1, lambda m: True) == [(1, 1)]
+    assert multidevice._meshes("2x2, 1x1", 8, lambda m: True) == [(2, 2), (1, 1)]
+    with pytest.raises(SystemExit, match="error: mesh 'x2' is not DxM"):
+        multidevice._meshes("x2", 8, lambda m: True)
+    with pytest.raises(SystemExit, match="model=2 must divide the KV heads"):
+        multidevice.main(["--meshes", "1x2", "--kv-heads", "1", "--heads", "2"])

@@ -30,9 +30,9 @@ import time
 import numpy as np
 
 
-def _meshes(text: str | None, n: int) -> list[tuple[int, int]]:
+def _meshes(text: str | None, n: int, split) -> list[tuple[int, int]]:
     """"DxM,..." -> [(D, M)]; default: 1x1 and, for n > 1 devices, n x 1, 1 x n and the
-    squarest split."""
+    squarest split, keeping those whose M divides the model (`split(M)`)."""
     if text:
         out = []
         for item in text.split(","):
@@ -45,7 +45,7 @@ def _meshes(text: str | None, n: int) -> list[tuple[int, int]]:
     if n > 1:
         m = max(k for k in range(1, int(n**0.5) + 1) if n % k == 0)
         out += [(n, 1), (1, n)] + ([(n // m, m)] if 1 < m < n else [])
-    return out
+    return [(d, m) for d, m in out if split(m)]
 
 
 def model_config(a):
@@ -103,12 +103,16 @@ def main(argv=None) -> int:
     from kvjax.train import init_params
 
     devices = jax.devices()
-    meshes = _meshes(a.meshes, len(devices))
+    cfg = model_config(a)
+    split = lambda m: cfg.num_kv_heads % m == 0 and cfg.intermediate_size % m == 0  # noqa: E731
+    meshes = _meshes(a.meshes, len(devices), split)
     for d, m in meshes:
+        if not split(m):
+            raise SystemExit(f"error: mesh {d}x{m}: model={m} must divide the KV heads "
+                             f"({cfg.num_kv_heads}) and the MLP width ({cfg.intermediate_size})")
         if d * m > len(devices):
             raise SystemExit(f"error: mesh {d}x{m} needs {d * m} devices; {len(devices)} "
                              f"{devices[0].platform} device(s) available")
-    cfg = model_config(a)
     dtype = a.dtype or ("float32" if devices[0].platform == "cpu" else "bfloat16")
     params = jax.tree.map(lambda x: x.astype(dtype),
                           init_params(cfg, jax.random.PRNGKey(0), std=0.02))

@@ -136,7 +136,8 @@ def shrink(cache: KVCache, slots: int, capacity: int) -> KVCache:
 def kv_bytes(cache: KVCache) -> dict[str, int]:
     """Live bytes (what a paged allocator would hold) and allocated bytes (this layout)."""
     per_slot = 2 * cache.k.shape[-1] * cache.k.dtype.itemsize
-    live = int(np.count_nonzero(np.asarray(cache.valid))) * per_slot
+    # counted where the mask lives (in a multi-process run no host holds all of it)
+    live = int(jnp.count_nonzero(cache.valid)) * per_slot
     allocated = int(cache.valid.size) * per_slot
     return {"kv_bytes_live": live, "kv_bytes_allocated": allocated}
 

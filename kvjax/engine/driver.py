@@ -81,6 +81,12 @@ class _Clock:
         return out
 
 
+def _limit_name(cfg: ModelConfig) -> str:
+    """What `cfg.max_positions` is called in errors."""
+    return "max_position_embeddings" if cfg.max_positions == cfg.max_position_embeddings \
+        else "yarn length (factor x original_max_position_embeddings)"
+
+
 def check_tokens(cfg: ModelConfig, prompts, questions, max_new_tokens: int) -> int:
     """Refuse, with the bad value named, token ids no model run can take (empty prompts,
     non-integers, ids outside the vocabulary, more positions than the model has); returns
@@ -104,10 +110,10 @@ def check_tokens(cfg: ModelConfig, prompts, questions, max_new_tokens: int) -> i
             raise ValueError(f"token id {int(bad[0])} is outside the model's vocabulary "
                              f"[0, {cfg.vocab_size})")
     longest = max(len(p) + len(q) for p, q in zip(prompts, questions or [[]] * len(prompts)))
-    if longest + max_new_tokens > cfg.max_position_embeddings:
+    if longest + max_new_tokens > cfg.max_positions:
         raise ValueError(
             f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
-            f"max_position_embeddings={cfg.max_position_embeddings}")
+            f"{_limit_name(cfg)}={cfg.max_positions}")
     return longest
 
 
@@ -151,7 +157,7 @@ def _prefill(params, cfg, prompts, method, Tq, max_new, shrink_ok, sharding, clo
         # Methods with per-head or per-layer budgets (AdaKV, PyramidKV, LAVa, CAKE, HeadKV)
         # allocate room for the most any head could keep; decoding over the dead slots
         # would cost as much as the full cache. Drop them (a bucketed count: few shapes).
-        slots = bucket(max(int(extent), 1), 1)
+        slots = bucket(max(int(distributed.to_host(extent)), 1), 1)
         if slots < cache.capacity - Tq - max_new:
             cut, c, _ = compile_once(steps.shrink, (cache,), slots=slots,
                                      capacity=slots + Tq + max_new)  # no kernel op in it
@@ -197,10 +203,22 @@ def _real_rows(cache: kvcache.KVCache, B: int) -> kvcache.KVCache:
 def _real_stat(v, B: int, padded: int):
     """A method statistic as a list, its rows of padding elements dropped (statistics are
     per element on their leading axis)."""
-    a = np.asarray(v)
+    a = distributed.to_host(v)
     if padded != B and a.ndim and a.shape[0] == padded:
         a = a[:B]
     return a.tolist()
+
+
+def _real_decode_stat(v, B: int, padded: int):
+    """A decode statistic as the method gave it, its rows of padding elements dropped
+    (a per-element list, or an array on its leading axis)."""
+    if padded == B:
+        return v
+    if isinstance(v, (list, tuple)) and len(v) == padded:
+        return type(v)(v[:B])
+    if getattr(v, "ndim", 0) and v.shape[0] == padded:
+        return v[:B]
+    return v
 
 
 def _kernels_used(used: set) -> dict[str, str]:
@@ -250,7 +268,7 @@ def run(
     prompt_tokens = [len(p) for p in prompts]
     head_mesh = None
     if mesh is not None:
-        distributed.check_mesh(mesh, cfg)
+        mesh = distributed.as_mesh(mesh, cfg)  # checked; Explicit axes made Auto
         params = distributed.shard_params(params, cfg, mesh)
         batch_sharding = batch_sharding or distributed.batch_sharding(mesh)
         prompts, questions = distributed.pad_batch(prompts, questions, mesh.shape["data"])
@@ -268,11 +286,11 @@ def run(
         out, n, cache, state, decode_stats = _decode(
             params, cfg, cache, logits, state, method, max_new_tokens, sampling, stop_ids,
             seed, clock)
-    out, n = np.asarray(out)[:B], np.asarray(n)[:B]
+    out, n = distributed.to_host(out)[:B], distributed.to_host(n)[:B]
     steps_run = min(int(n.max()) + 1, max_new_tokens) if max_new_tokens else 0
     stats = {
         **{k: _real_stat(v, B, padded) for k, v in stats.items()},
-        **decode_stats,
+        **{k: _real_decode_stat(v, B, padded) for k, v in decode_stats.items()},
         "kv_bytes_live": live_after_prefill["kv_bytes_live"],
         "kv_bytes_allocated": live_after_prefill["kv_bytes_allocated"],
         "kv_bytes_full": kvcache.full_kv_bytes(cfg, n_in, cache.k.dtype),

@@ -152,9 +152,9 @@ def load_hf(path: str | Path, dtype=jnp.float32, shardings=None) -> tuple[ModelC
         raise FileNotFoundError(f"{path} is not a checkpoint directory: config.json is missing")
     cfg = ModelConfig.from_json(path / "config.json")
     eos = generation_eos(path)
-    if eos:  # the stop set: config.json's eos ids and generation_config.json's, in order
-        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(
-            (*cfg.eos_token_ids, *eos))))
+    if eos:  # the stop set: generation_config.json's eos ids replace config.json's, as in
+        # transformers' generate (its GenerationConfig is read from that file)
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(eos)))
     files = _tensor_files(path)
     expected = _hf_names(cfg)
     missing = sorted(set(expected) - set(files))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from fractions import Fraction
 import re
 import zlib
 from collections.abc import Mapping
@@ -99,17 +100,20 @@ def _is_qa(task: str) -> bool:
     return re.search(r"(^|_)qa(_|\d|$)", task) is not None
 
 
-def split_ruler_input(text: str, query: str | None = None) -> tuple[str, str]:
-    """(context, question): the question starts at the line holding the last occurrence of
-    `query` if given and present, else it is the last non-empty line of `text`."""
+def split_ruler_input(text: str, query: str | None = None) -> tuple[str, str, str]:
+    """(context, sep, question), verbatim: `context + sep + question == text`. The question
+    starts at the line holding the last occurrence of `query` if given and present, else at
+    the last non-empty line; `sep` is the line break(s) and spaces before it (RULER sends
+    `input + answer_prefix` byte for byte, so nothing is stripped or re-joined)."""
     body = text.rstrip()
     at = body.rfind(query) if query else -1
     if at < 0:
         at = len(body)
     cut = body.rfind("\n", 0, at)
     if cut < 0:
-        return body, ""
-    return body[:cut].rstrip(), body[cut + 1 :].strip()
+        return "", "", text
+    start = len(body[:cut].rstrip())
+    return text[:start], text[start : cut + 1], text[cut + 1 :]
 
 
 def load_ruler_jsonl(path: str | Path, task: str | None = None) -> list[Sample]:
@@ -129,13 +133,13 @@ def load_ruler_jsonl(path: str | Path, task: str | None = None) -> list[Sample]:
             query = query[-1] if query else None
         if query is not None and not isinstance(query, str):
             query = str(query)
-        context, question = split_ruler_input(_text(r, "input", where), query)
-        prefix = _text(r, "answer_prefix", where, optional=True).strip()
-        question = f"{question} {prefix}".strip()
+        context, sep, question = split_ruler_input(_text(r, "input", where), query)
+        question += _text(r, "answer_prefix", where, optional=True)  # as RULER sends it
         out.append(
             Sample(
                 task=task,
                 context=context,
+                sep=sep,
                 question=question,
                 answer=outputs,
                 target=", ".join(outputs),
@@ -233,6 +237,7 @@ def load_longbench_jsonl(
         out.append(
             Sample(
                 task=name,
+                chat=name not in lb.NO_CHAT,
                 context=ctx_t.replace("{context}", _text(r, "context", where)),
                 question=q_t.replace("{input}", _text(r, "input", where, optional=True)),
                 answer=answers,
@@ -304,7 +309,8 @@ def take_fraction(n: int, fraction: float, seed: int, name: str) -> list[int]:
     larger fraction keeps a smaller one's samples (a sweep's cells stay comparable)."""
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction={fraction} must be in (0, 1]")
-    k = math.ceil(fraction * n)
+    # exact decimal arithmetic: 0.07 * 100 is 7.000000000000001 in floats, and must give 7
+    k = math.ceil(Fraction(repr(float(fraction))) * n)
     if k >= n:
         return list(range(n))
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])

@@ -172,6 +172,10 @@ DATASET_METRIC = {
 }
 
 # LongBench's generation budgets (dataset2maxlen).
+# the datasets LongBench's pred.py leaves out of the chat template (few-shot and code
+# completion: the prompt is a continuation, not a request)
+NO_CHAT = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"})
+
 DATASET_MAXLEN = {
     "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "multifieldqa_zh": 64,
     "hotpotqa": 32, "2wikimqa": 32, "musique": 32, "dureader": 128, "gov_report": 512,

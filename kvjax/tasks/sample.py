@@ -1,7 +1,8 @@
 """`Sample`: one evaluation prompt, split into context and question.
 
 The split is what the two evaluation scenarios need:
-- question-aware: `prompt` (= `context + " " + question`) is prefilled and compressed whole;
+- question-aware: `prompt` (= `context + sep + question`; `sep` is one space except where a
+  benchmark file's own text joins them otherwise) is prefilled and compressed whole;
 - context-only: `context` is prefilled and compressed, then `question` is prefilled on top of
   the compressed cache. For the synthetic tasks `encode(context) + encode(question) ==
   encode(prompt)`, so both scenarios see exactly the same tokens.
@@ -24,7 +25,11 @@ class Sample:
     max_new_tokens: int  # enough to write `target` and `<eos>`
     metric: str = "string_match_all"
     meta: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    sep: str = " "  # what joins context and question in `prompt`
+    # chat: whether `--chat-template` may wrap the prompt (LongBench leaves its few-shot and
+    # code datasets unwrapped; a file whose text already holds chat markup is not wrapped)
+    chat: bool = True
 
     @property
     def prompt(self) -> str:
-        return self.context + " " + self.question
+        return self.context + self.sep + self.question
