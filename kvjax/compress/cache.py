@@ -136,8 +136,12 @@ def shrink(cache: KVCache, slots: int, capacity: int) -> KVCache:
 def kv_bytes(cache: KVCache) -> dict[str, int]:
     """Live bytes (what a paged allocator would hold) and allocated bytes (this layout)."""
     per_slot = 2 * cache.k.shape[-1] * cache.k.dtype.itemsize
-    # counted where the mask lives (in a multi-process run no host holds all of it)
-    live = int(jnp.count_nonzero(cache.valid)) * per_slot
+    valid = cache.valid
+    if isinstance(valid, jax.Array) and not valid.is_fully_addressable:
+        n = int(jnp.count_nonzero(valid))  # multi-process: counted where the mask lives
+    else:
+        n = int(np.count_nonzero(np.asarray(valid)))  # no program compiled for it
+    live = n * per_slot
     allocated = int(cache.valid.size) * per_slot
     return {"kv_bytes_live": live, "kv_bytes_allocated": allocated}
 
