@@ -73,3 +73,23 @@ def build_pair(name: str, seed: int = 0, scale: float = 0.15, layers: int | None
         model.save_pretrained(d)
         cfg, params = load_hf(d)
     return model, cfg, params
+
+
+def prefill_logits(model, cfg, params, T: int = 37, seed: int = 1):
+    """(kvjax's, transformers') logits at every position of 2 random prompts of T tokens:
+    the whole prompt through `prefill_layers` with no compression."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvjax import engine
+    from kvjax.engine import layers
+    from kvjax.models import transformer
+
+    ids = np.random.default_rng(seed).integers(3, cfg.vocab_size, size=(2, T))
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)).logits.numpy()
+    valid = jnp.ones(ids.shape, bool)
+    pos = engine.positions(valid, jnp.zeros(2, jnp.int32))
+    x, _, _ = layers.prefill_layers(params, cfg, jnp.asarray(ids), valid, pos,
+                                    lambda io, s: (None, s))
+    return np.asarray(transformer.unembed(params, cfg, x)), ref

@@ -37,7 +37,6 @@ import hf_tokenizers  # noqa: E402
 import kvjax  # noqa: E402
 from kvjax import engine  # noqa: E402
 from kvjax.config import ModelConfig  # noqa: E402
-from kvjax.engine import layers  # noqa: E402
 from kvjax.methods import Method  # noqa: E402
 from kvjax.models import rope, transformer  # noqa: E402
 from kvjax.models.checkpoint import load_hf  # noqa: E402
@@ -280,17 +279,6 @@ def test_yarn_length_and_rope_theta_precedence():
     assert ModelConfig.from_hf({**both, "rope_parameters": {"rope_type": "default"}}
                                ).rope_theta == 1e4
 
-def _prefill_logits(model, cfg, params, T=37, seed=1):
-    ids = np.random.default_rng(seed).integers(3, cfg.vocab_size, size=(2, T))
-    with torch.no_grad():
-        ref = model(torch.tensor(ids)).logits.numpy()
-    valid = jnp.ones(ids.shape, bool)
-    pos = engine.positions(valid, jnp.zeros(2, jnp.int32))
-    x, _, _ = layers.prefill_layers(params, cfg, jnp.asarray(ids), valid, pos,
-                                    lambda io, s: (None, s))
-    return np.asarray(transformer.unembed(params, cfg, x)), ref
-
-
 def _decode_logits(model, cfg, params, steps=8, n=29):
     """Prefill, then greedy steps through kvjax's cache and HF's: logits of every step."""
     ids = np.random.default_rng(2).integers(3, cfg.vocab_size, size=(1, n))
@@ -320,12 +308,12 @@ def test_yarn_qwen2_logits_equal_transformers(monkeypatch):
     model, cfg, params = hf_models.build_pair("qwen2_bias_gqa2", rope_scaling={
         "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
     assert cfg.rope_scaling.attention_factor > 1.1
-    ours, ref = _prefill_logits(model, cfg, params)
+    ours, ref = hf_models.prefill_logits(model, cfg, params)
     assert np.abs(ours - ref).max() < TOL
     ours, ref = _decode_logits(model, cfg, params)
     assert np.abs(ours - ref).max() < TOL
     monkeypatch.setattr(transformer, "attention_scaling", lambda c: 1.0)
-    ours, ref = _prefill_logits(model, cfg, params)
+    ours, ref = hf_models.prefill_logits(model, cfg, params)
     assert np.abs(ours - ref).max() > 1.0  # the test sees a missing attention factor
 
 
@@ -351,13 +339,13 @@ def test_sliding_window_logits_equal_transformers(name):
     family, extra, want = WINDOWS[name]
     model, cfg, params = hf_models.build_pair(family, **extra)
     assert (cfg.sliding_window, cfg.sliding_layers) == want
-    ours, ref = _prefill_logits(model, cfg, params)
+    ours, ref = hf_models.prefill_logits(model, cfg, params)
     assert np.abs(ours - ref).max() < TOL, name
     ours, ref = _decode_logits(model, cfg, params)
     assert np.abs(ours - ref).max() < TOL, name
     if cfg.sliding_layers is not None:  # the window on the other layer is seen as wrong
         other = tuple(sorted(set(range(cfg.num_layers)) - set(cfg.sliding_layers)))
-        ours, ref = _prefill_logits(model, dataclasses.replace(cfg, sliding_layers=other),
+        ours, ref = hf_models.prefill_logits(model, dataclasses.replace(cfg, sliding_layers=other),
                                     params)
         assert np.abs(ours - ref).max() > 1.0
 
@@ -410,7 +398,7 @@ def test_bfloat16_load_and_logits(tmp_path):
     ours = kvjax.load(tmp_path, dtype="bfloat16")
     assert all(p.dtype == jnp.bfloat16 for p in ours.params["layers"].values())
     assert kvjax.load(tmp_path, dtype="auto").params["embed"].dtype == jnp.float32  # CPU
-    got, ref = _prefill_logits(model, ours.cfg, ours.params)
+    got, ref = hf_models.prefill_logits(model, ours.cfg, ours.params)
     assert np.abs(got - ref).max() < 0.03 * np.abs(ref).max()
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         kvjax.load(tmp_path, dtype="fp8")

@@ -224,17 +224,23 @@ def test_pyramidkv(pair, budget):
     sched = budgets.pyramid(budget, n, cfg.num_layers, w, 20)
     assert list(sched) == want and len(set(want)) > 1, (sched, want)
     method = methods.PyramidKV(budget=budget, window=w, kernel=5, pooling="avg", beta=20)
-    # layers of different lengths: transformers builds the mask of a multi-token chunk
-    # (and eager's mask at all) for layer 0's length, so one token on sdpa
+    _check_pyramid(f"{fam}/pyramidkv b={budget}", pair, method, press, want)
+
+
+def _check_pyramid(label, pair, method, press, want):
+    """Our PyramidKV against kvpress's press: the layer budgets `want`, the kept sets (up to
+    tie swaps) and the logits of one question token. Layers of different lengths:
+    transformers builds the mask of a multi-token chunk (and eager's mask at all) for layer
+    0's length, so one token on sdpa."""
+    fam, model, cfg, params, ctx, q = pair
     theirs, ref = _press_run(model, press, ctx, q[:, :1], "sdpa")
     ours, logits, stats = _ours(cfg, params, method, ctx, q[:, :1])
     assert [len(layer[0]) for layer in ours] == want
     assert np.asarray(stats["layer_budgets"])[0, :, 0].tolist() == want
-    ties = _compare_sets(f"{fam}/pyramidkv", ours, theirs,
-                         lambda: _our_scores(cfg, params, method, ctx))
+    ties = _compare_sets(label, ours, theirs, lambda: _our_scores(cfg, params, method, ctx))
     err = np.abs(logits - ref).max()
-    print(f"{fam}/pyramidkv b={budget}: layer budgets {want}, kept sets equal ({ties} tie "
-          f"swaps); logits max abs diff {err:.2e}")
+    print(f"{label}: layer budgets {want}, kept sets equal ({ties} tie swaps); logits max "
+          f"abs diff {err:.2e}")
     assert err < TOL
 
 
@@ -249,17 +255,7 @@ def test_pyramidkv_at_a_ratio(pair):
             for i in range(cfg.num_layers)]
     base = methods.PyramidKV(window=w, kernel=5, pooling="avg", beta=20)
     assert list(budgets.pyramid(int(n * (1 - r)), n, cfg.num_layers, w, 20)) != want
-    method = base.with_ratio(r, n)
-    theirs, ref = _press_run(model, press, ctx, q[:, :1], "sdpa")
-    ours, logits, stats = _ours(cfg, params, method, ctx, q[:, :1])
-    assert [len(layer[0]) for layer in ours] == want
-    assert np.asarray(stats["layer_budgets"])[0, :, 0].tolist() == want
-    ties = _compare_sets(f"{fam}/pyramidkv r={r}", ours, theirs,
-                         lambda: _our_scores(cfg, params, method, ctx))
-    err = np.abs(logits - ref).max()
-    print(f"{fam}/pyramidkv r={r}: layer budgets {want}, kept sets equal ({ties} tie swaps); "
-          f"logits max abs diff {err:.2e}")
-    assert err < TOL
+    _check_pyramid(f"{fam}/pyramidkv r={r}", pair, base.with_ratio(r, n), press, want)
 
 
 def test_budget_equal_context_is_full(pair):

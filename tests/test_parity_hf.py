@@ -18,9 +18,7 @@ hf_models = pytest.importorskip("hf_models")
 
 from kvjax import engine  # noqa: E402
 from kvjax.compress.cache import KVCache  # noqa: E402
-from kvjax.engine import layers  # noqa: E402
 from kvjax.methods import Method  # noqa: E402
-from kvjax.models import transformer  # noqa: E402
 from kvjax.models.checkpoint import load_hf  # noqa: E402
 
 TOL = 2e-4
@@ -51,14 +49,7 @@ def _hf_greedy(model, ids, steps):
 
 def test_prefill_logits_all_positions(pair):
     name, model, cfg, params = pair
-    ids = np.random.default_rng(1).integers(3, cfg.vocab_size, size=(2, 37))
-    with torch.no_grad():
-        ref = model(torch.tensor(ids)).logits.numpy()
-    valid = jnp.ones(ids.shape, bool)
-    pos = engine.positions(valid, jnp.zeros(2, jnp.int32))
-    x, _, _ = layers.prefill_layers(params, cfg, jnp.asarray(ids), valid, pos,
-                                  lambda io, s: (None, s))
-    ours = np.asarray(transformer.unembed(params, cfg, x))
+    ours, ref = hf_models.prefill_logits(model, cfg, params)
     err = np.abs(ours - ref).max()
     assert err < TOL, f"{name}: prefill max abs diff {err:.2e}"
 
