@@ -29,6 +29,12 @@ POOLINGS = ("avg", "max", "none")  # along the token axis
 WINDOW_REDUCTIONS = ("mean", "sum")  # over the observation window's queries
 
 
+def plogp(p):
+    """p log p elementwise, 0 where p = 0 (its limit; the log of 0 is never taken, so its
+    gradient is finite too): -sum(plogp(p)) is an entropy."""
+    return jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0)
+
+
 def pool1d(x: Float[Array, "... n"], kernel: int, kind: str) -> Float[Array, "... n"]:
     """Stride-1 pooling along the last axis with `kernel // 2` padding, length unchanged.
 

@@ -68,7 +68,7 @@ def all_rows_preference(io: LayerIO, ddof: int, block: int = 256):
     def first(c, p, ok, v):
         ent, s1, n = c
         rows = v[:, None, None, :, None]
-        e = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
+        e = -jnp.sum(scoring.plogp(p), axis=-1)
         ent = ent + jnp.sum(jnp.where(v[:, None, None, :], e, 0.0), axis=(1, 2, 3))
         s1 = s1 + jnp.sum(jnp.where(rows, p, 0.0), axis=3)
         n = n + jnp.sum(ok & v[:, None, :, None], axis=2, dtype=jnp.int32)
@@ -140,7 +140,7 @@ class CAKE(Cascading):
         else:
             valid = io.valid[:, 0]
             p = self._probs(io)
-            H = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
+            H = -jnp.sum(scoring.plogp(p), axis=-1)
             H = io.heads.mean(H, (1, 2, 3))  # [B]
             pp = p[..., : valid.shape[1] - self.window]
             V = io.heads.mean(jnp.sum(jnp.var(pp, axis=3, ddof=self.ddof), axis=-1), (1, 2))

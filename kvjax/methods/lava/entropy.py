@@ -62,8 +62,7 @@ def entropy(s_BKP, valid_BP, norm: str, heads: Heads = Heads()):
     K = heads.total(s_BKP.shape[1])
     x = jnp.where(valid_BP[:, None, :], jnp.maximum(s_BKP, 0.0), 0.0)
     p = x / jnp.maximum(heads.sum(jnp.sum(x, axis=(1, 2), keepdims=True)), 1e-30)
-    h = -heads.sum(jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0),
-                           axis=(1, 2)))
+    h = -heads.sum(jnp.sum(scoring.plogp(p), axis=(1, 2)))
     N = jnp.sum(valid_BP, axis=-1).astype(jnp.float32)
     if norm == "hn":
         return h / (K * N)
