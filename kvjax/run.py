@@ -861,8 +861,13 @@ def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
         with tqdm(total=sum(len(j.data.samples) for j in jobs), disable=args.no_progress,
                   unit="sample",
                   file=sys.stderr) as pbar:
+            held = None
             for job in jobs:
-                engine.clear_compiled()  # one job's executables at a time (vm.max_map_count)
+                # one (method, budget)'s executables at a time (vm.max_map_count); its tasks
+                # and contexts follow each other and share them
+                if (job.method, job.budget, job.ratio) != held:
+                    engine.clear_compiled()
+                    held = (job.method, job.budget, job.ratio)
                 pbar.set_description(job.label())
                 rec = evaluate(model, job, args, settings, pbar)
                 with _sigint_deferred():  # on disk and counted, or neither

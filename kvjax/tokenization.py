@@ -56,6 +56,8 @@ class TextFormat:
     template_source: str | None  # the file the template was read from
     prefix: tuple[int, ...]
     suffix: tuple[int, ...]
+    # the tokenizer without its post-processor, for character offsets (`split_ids`)
+    offsets: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def _token(value) -> str | None:
@@ -143,7 +145,7 @@ def split_ids(tok, fmt: TextFormat, text: str, at: int,
               add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
     """`encode(text)` cut at character `at`: the tokens starting before it (and the
     special tokens in front) and the rest (and those behind)."""
-    enc = _offsets_tokenizer(tok).encode(text, add_special_tokens=False)
+    enc = _offsets_tokenizer(tok, fmt).encode(text, add_special_tokens=False)
     k = sum(1 for start, _ in enc.offsets if start < at)
     ids = enc.ids
     if add_special_tokens:
@@ -151,17 +153,16 @@ def split_ids(tok, fmt: TextFormat, text: str, at: int,
     return ids[:k], ids[k:]
 
 
-@functools.lru_cache(maxsize=4)
-def _offsets_copy(serialized: str):
-    from tokenizers import Tokenizer
+def _offsets_tokenizer(tok, fmt: TextFormat):
+    """A copy of `tok` without its post-processor (a ByteLevel processor may trim offsets
+    past the spaces), made once and kept on the tokenizer's `fmt`: serialising it costs
+    tens of ms for a Llama-3-sized vocabulary, and prompts are split one by one."""
+    if fmt.offsets is None:
+        from tokenizers import Tokenizer
 
-    t = Tokenizer.from_str(serialized)
-    t.post_processor = None  # a ByteLevel processor may trim offsets past the spaces
-    return t
-
-
-def _offsets_tokenizer(tok):
-    return _offsets_copy(tok.to_str())
+        fmt.offsets = Tokenizer.from_str(tok.to_str())
+        fmt.offsets.post_processor = None
+    return fmt.offsets
 
 
 # ---- chat templates ----------------------------------------------------------------------

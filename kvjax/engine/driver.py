@@ -280,7 +280,8 @@ def run(
     if questions:
         logits, cache, state = _question(params, cfg, questions, Tq, method, cache, state,
                                          batch_sharding, clock)
-    live_after_prefill = kvcache.kv_bytes(_real_rows(cache, B))
+    # the padding's rows out of the count (the mask alone: no copy of the cache)
+    live_after_prefill = kvcache.kv_bytes(dataclasses.replace(cache, valid=cache.valid[:, :B]))
     out, n, decode_stats = np.zeros((padded, 0), np.int32), np.zeros(padded, int), {}
     if max_new_tokens > 0:
         out, n, cache, state, decode_stats = _decode(
