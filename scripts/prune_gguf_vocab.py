@@ -20,7 +20,6 @@ both must equal `.out`, else nothing is written.
 from __future__ import annotations
 
 import lzma
-import sys
 import tempfile
 import unicodedata
 from pathlib import Path
@@ -35,9 +34,7 @@ KEYS = ("bos", "eos", "unknown", "seperator", "padding")
 
 
 def _byte_level(text: str) -> str:
-    from tokenizers import pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()  # noqa: F841 -- the mapping below is GPT-2's
+    """`text` in GPT-2's byte-to-unicode alphabet (what byte-level BPE merges work on)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
     cs = bs[:]
     n = 0
@@ -96,8 +93,20 @@ def prune(src: Path, dst: Path) -> None:
           f"{dst.stat().st_size} bytes; {len(tests)} strings equal the reference")
 
 
-if __name__ == "__main__":
-    src_dir = Path(sys.argv[1])
+def main() -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dir", type=Path, help="the folder holding llama.cpp's ggml-vocab-NAME.gguf"
+                   "(.inp, .out) files")
+    p.add_argument("names", nargs="+", help="vocabularies, e.g. llama-bpe qwen2 starcoder gpt-2")
+    a = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    for name in sys.argv[2:]:
-        prune(src_dir / f"ggml-vocab-{name}.gguf", OUT / f"{name}.gguf.xz")
+    for name in a.names:
+        prune(a.dir / f"ggml-vocab-{name}.gguf", OUT / f"{name}.gguf.xz")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -268,8 +268,10 @@ def save_hf(path: str | Path, cfg: ModelConfig, params: Params, extra_config: di
 
 
 def weights_sha256(model_dir: str | Path) -> str | None:
-    """sha256 of the checkpoint's safetensors files: which weights a result belongs to."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    """sha256 of the checkpoint's safetensors files (or of a GGUF file): which weights a
+    result belongs to."""
+    path = Path(model_dir)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
     if not files:
         return None
     h = hashlib.sha256()
@@ -286,5 +288,5 @@ def provenance(model_dir: str | Path | None) -> dict:
     import yaml
 
     cfg = Path(model_dir) / "train_config.yaml"
-    steps = (yaml.safe_load(cfg.read_text()) or {}).get("trained_steps") if cfg.exists() else None
+    steps = (yaml.safe_load(cfg.read_text()) or {}).get("trained_steps") if cfg.is_file() else None
     return {"sha256": weights_sha256(model_dir), "trained_steps": steps}

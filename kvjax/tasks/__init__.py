@@ -40,6 +40,7 @@ __all__ = [
     "Task",
     "count_tokens",
     "decode",
+    "fit",
     "generate",
     "get",
     "load_longbench_jsonl",
@@ -74,6 +75,14 @@ def generate(
     """`n` deterministic samples of `context_length` tokens (BOS included). With `depth=None`
     sample i's (first) needle is at depth (i + 0.5) / n, so a run covers the context."""
     return get(name).generate(context_length=context_length, n=n, seed=seed, depth=depth)
+
+
+def fit(name: str, context_length: int, count, n: int = 50, seed: int = 0,
+        depth: float | None = None) -> list[Sample]:
+    """`generate`, with each prompt fitted to `context_length` tokens of the tokenizer that
+    `count(sample)` measures with (`Task.fit`): `--context N` of `kvjax.run` means N tokens
+    of the evaluated model."""
+    return get(name).fit(context_length, count, n=n, seed=seed, depth=depth)
 
 
 def sample(name: str, context_length: int, rng: np.random.Generator, depth: float | None = None) -> Sample:

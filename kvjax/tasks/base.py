@@ -12,7 +12,7 @@ import bisect
 import dataclasses
 import functools
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -174,6 +174,32 @@ class Task:
             out.append(self._to_sample(self.build(self.rng(seed, context_length, i), context_length, d)))
         return out
 
+    def fit(self, context_length: int, count: Callable[[Sample], int], n: int = 50,
+            seed: int = 0, depth: float | None = None) -> list[Sample]:
+        """`generate`'s samples with prompts of `context_length` tokens as `count` measures
+        them (an evaluated model's tokenizer, BOS and chat markup included), as RULER fits
+        its haystack to the model's tokenizer. Each sample keeps its generator and depth;
+        only the haystack's length in task words changes (`fit_length`). `meta` gains
+        `prompt_tokens` (the count reached: `context_length` exactly where some haystack
+        length gives it, else the nearest below) and `task_words`."""
+        if depth is not None and not 0.0 <= depth <= 1.0:
+            raise ValueError(f"depth={depth} must be within [0, 1]")
+        out = []
+        for i in range(n):
+            d = None if self.kind == "aggregation" else (depth if depth is not None else (i + 0.5) / n)
+
+            def make(words: int, i=i, d=d) -> Sample:
+                return self._to_sample(self.build(self.rng(seed, context_length, i), words, d))
+
+            words, s, got = fit_length(make, count, context_length, self.min_context_length,
+                                       self.name)
+            meta = {k: v for k, v in s.meta.items() if k != "needle_positions"}
+            if words == context_length and got == context_length:  # the task's own words
+                meta = dict(s.meta)
+            out.append(dataclasses.replace(s, meta={**meta, "prompt_tokens": got,
+                                                    "task_words": words}))
+        return out
+
     def training_example(
         self, context_length: int, rng: np.random.Generator
     ) -> tuple[list[int], list[int]]:
@@ -200,6 +226,54 @@ class Task:
 
     def __repr__(self) -> str:
         return f"<task {self.name} ({self.kind})>"
+
+
+def fit_length(make: Callable[[int], Sample], count: Callable[[Sample], int], target: int,
+               shortest: int, name: str = "") -> tuple[int, Sample, int]:
+    """(task words, sample, its count) of the sample `make(words)` whose `count` is
+    `target`, or the largest below it where none is. The count grows about linearly with
+    the words (a word is 1-2 tokens of a sub-word tokenizer), so a few secant steps on the
+    ratio land near the target, then a scan of the neighbouring lengths looks for an exact
+    hit (the filler of nearby lengths differs only at its end, so counts move by a token
+    or two per word)."""
+    seen: dict[int, tuple[int, Sample]] = {}
+
+    def at(words: int) -> int:
+        if words not in seen:
+            s = make(words)
+            seen[words] = (count(s), s)
+        return seen[words][0]
+
+    words = max(target, shortest)
+    for _ in range(8):
+        t = at(words)
+        if t == target:
+            break
+        nxt = max(shortest, round(words * target / t))
+        if nxt == words:
+            nxt = max(shortest, words + (1 if t < target else -1))
+        if nxt in seen:
+            break
+        words = nxt
+    if at(words) != target:  # bisect between the lengths below and above the target
+        lo = max((w for w, (t, _) in seen.items() if t < target), default=shortest)
+        hi = min((w for w, (t, _) in seen.items() if t > target and w > lo), default=None)
+        while hi is not None and hi - lo > 1 and at(lo) != target:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if at(mid) <= target else (lo, mid)
+        words = lo
+    if at(words) != target:
+        for step in (d for k in range(1, 25) for d in (k, -k)):
+            if words + step >= shortest and at(words + step) == target:
+                words += step
+                break
+    if at(words) != target:
+        below = [w for w, (t, _) in seen.items() if t <= target]
+        if not below:
+            raise ValueError(f"context_length={target} is too small for task {name!r} in "
+                             f"this tokenizer: its shortest prompt is {at(shortest)} tokens")
+        words = max(below, key=lambda w: (seen[w][0], -w))
+    return words, seen[words][1], seen[words][0]
 
 
 def spans(starts: Sequence[int], needles: Sequence[Sequence[str]]) -> list[tuple[int, int]]:

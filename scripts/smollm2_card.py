@@ -1,0 +1,104 @@
+"""SmolLM2-135M's model card: full-cache accuracy on every synthetic task, written into
+MODEL.md between the `smollm2` markers.
+
+    python scripts/smollm2_card.py                # render from the records that exist
+    python scripts/smollm2_card.py --measure plain:1024,2048 chat:1024 --samples 50
+
+Each sweep is `python -m kvjax.run --model smollm2-135m --method full --task <every task>
+--context <list> --samples N --details` (plain prompts, or `--chat-template`), its records in
+docs/results/smollm2/card_<kind>.jsonl; an interrupted sweep resumes (`report.run_once`).
+A cell is the accuracy with its 95% Wilson interval; a task "judges" compression at a
+length when the full cache scores 90% or more there (the bar of docs/results' pages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvjax import report, tasks  # noqa: E402
+
+OUT = ROOT / "docs" / "results" / "smollm2"
+CONTEXTS = (1024, 2048, 4096, 8192)
+BAR = 0.9
+
+
+def sweep_args(kind: str, contexts: str, samples: int, task_names: list[str]) -> list[str]:
+    args = ["--model", "smollm2-135m", "--method", "full", "--task", ",".join(task_names),
+            "--context", contexts, "--samples", str(samples), "--details"]
+    return args + (["--chat-template"] if kind == "chat" else [])
+
+
+def cell(r: dict) -> str:
+    lo, hi = report.wilson(r["accuracy"] * r["samples"], r["samples"])
+    return f"{100 * r['accuracy']:.0f} [{100 * lo:.0f}, {100 * hi:.0f}]"
+
+
+def table(records: list[dict]) -> str:
+    by = {(r["task"], r["context_length"]): r for r in records}
+    cols = [c for c in CONTEXTS if any(k[1] == c for k in by)]
+    lines = ["| task | " + " | ".join(str(c) for c in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for t in tasks.names():
+        row = [cell(by[t, c]) if (t, c) in by else "not run" for c in cols]
+        lines.append(f"| {t} | " + " | ".join(row) + " |")
+    n = sorted({r["samples"] for r in records})
+    toks = {c: [r["prompt_tokens"] for r in records if r["context_length"] == c] for c in cols}
+    span = "; ".join(f"{c}: {min(p['min'] for p in v)}-{max(p['max'] for p in v)}"
+                     for c, v in toks.items())
+    return "\n".join(lines) + (f"\n\nSamples per cell: {', '.join(map(str, n))}. Prompt "
+                               f"tokens (min-max over the cells' samples): {span}.")
+
+
+def judges(records: list[dict]) -> str:
+    ok: dict[int, list[str]] = {}
+    for r in sorted(records, key=lambda r: (r["context_length"], r["task"])):
+        if r["accuracy"] >= BAR:
+            ok.setdefault(r["context_length"], []).append(r["task"])
+    if not ok:
+        return "No task reaches 90% with the full cache."
+    return "\n".join(f"- at {c}: {', '.join(v)}" for c, v in sorted(ok.items()))
+
+
+def render() -> str:
+    parts = []
+    for kind, title in (("plain", "Plain prompts"), ("chat", "With `--chat-template`")):
+        path = OUT / f"card_{kind}.jsonl"
+        records = report.load_records(path) if path.exists() else []
+        if not records:
+            parts.append(f"**{title}**: not measured yet.")
+            continue
+        parts.append(f"**{title}** ({report.model_line(records)}; records "
+                     f"`docs/results/smollm2/card_{kind}.jsonl`). Accuracy in % [95% Wilson "
+                     f"interval]:\n\n{table(records)}\n\nTasks at 90% or more (they can judge "
+                     f"a compression method at that length):\n\n{judges(records)}")
+    return "\n\n".join(parts)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--measure", nargs="*", default=[],
+                   help="sweeps to run first: KIND:CONTEXTS (KIND plain or chat)")
+    p.add_argument("--samples", type=int, default=50)
+    p.add_argument("--tasks", default=",".join(tasks.names()))
+    a = p.parse_args()
+    for m in a.measure:
+        kind, contexts = m.split(":", 1)
+        if kind not in ("plain", "chat"):
+            p.error(f"--measure {m}: KIND is plain or chat")
+        OUT.mkdir(parents=True, exist_ok=True)
+        report.run_once(OUT / f"card_{kind}.jsonl",
+                        sweep_args(kind, contexts, a.samples, a.tasks.split(",")), ROOT)
+    body = render()
+    report.replace_section(ROOT / "MODEL.md", "smollm2", body)
+    print(body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
