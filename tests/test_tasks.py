@@ -38,8 +38,12 @@ def enc(text: str) -> list[int]:
 # ---- registry and API shape ------------------------------------------------------------------
 
 
+# renderings for real LLMs, in words the task model's tokenizer lacks (MODEL.md, SmolLM2)
+LLM_RENDERINGS = ["niah_multikey_ruler", "niah_single_ruler", "passkey_prose"]
+
+
 def test_names_and_kinds():
-    assert tasks.names() == NAMES
+    assert tasks.names() == sorted(NAMES + LLM_RENDERINGS)
     for n in NAMES:
         t = tasks.get(n)
         assert t.name == n
@@ -397,3 +401,41 @@ def test_loader_errors(tmp_path):
     bad.write_text('{"context": "x", "answers": ["y"], "dataset": "nope"}\n')
     with pytest.raises(ValueError, match="nope"):
         loaders.load_longbench_jsonl(bad)
+
+
+@pytest.mark.parametrize("name", LLM_RENDERINGS)
+def test_llm_renderings(name):
+    """RULER's words (or the passkey in prose): exact in task words (an unknown word is one
+    <unk>), the split scenarios agree, the queried value is in the context once and the
+    answer prefix ends the question."""
+    for s in tasks.generate(name, context_length=600, n=3, seed=2):
+        assert 1 + tasks.count_tokens(s.prompt) == 600
+        assert enc(s.context) + enc(s.question) == enc(s.prompt)
+        assert s.context.count(s.answer[0]) == (2 if name == "passkey_prose" else 1)
+        if name.endswith("_ruler"):
+            assert s.context.startswith("Some special magic numbers are hidden")
+            assert f"for {s.question.split(' for ')[1].split()[0]} is: {s.answer[0]}." in s.context
+            assert s.question.endswith("mentioned in the provided text is")
+        else:
+            assert "the grass is green" not in s.context
+        assert tasks.score(name, f" {s.answer[0]}.", s.answer) == 1.0
+
+
+def test_fit_counts_the_given_tokenizer():
+    """`tasks.fit` fits each prompt to a count (here: characters / 4, a stand-in for a
+    sub-word tokenizer): at most the target and within a word or two of it (exact where a
+    haystack length gives it; here one more word can add 4 counts); the same
+    keys and depth as `generate` at that length would draw."""
+    count = lambda s: 1 + len(s.prompt) // 4  # noqa: E731
+    out = tasks.fit("niah_single", 700, count, n=6, seed=3)
+    got = [s.meta["prompt_tokens"] for s in out]
+    assert all(g == count(s) <= 700 for g, s in zip(got, out))
+    assert min(got) >= 694 and 700 in got, got
+    assert [s.depth for s in out] == [s.depth for s in tasks.generate("niah_single", 700, n=6,
+                                                                      seed=3)]
+    # with the task's own tokenizer nothing changes
+    words = lambda s: 1 + tasks.count_tokens(s.prompt)  # noqa: E731
+    same = tasks.fit("niah_multikey", 512, words, n=3)
+    assert [s.prompt for s in same] == [s.prompt for s in tasks.generate("niah_multikey", 512, n=3)]
+    with pytest.raises(ValueError, match="too small for task 'niah_single' in this tokenizer"):
+        tasks.fit("niah_single", 20, count, n=1)

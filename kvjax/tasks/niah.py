@@ -15,6 +15,13 @@ is the continuation of the needle, as in RULER and in Landmark Attention's passk
   the target lists their values in the question's order.
 - passkey: "the pass key is 68231. remember it. 68231 is the pass key." inside the repeated
   "the grass is green. the sky is blue. ..." filler, after the classic instruction.
+- niah_single_ruler, niah_multikey_ruler: niah_single and niah_multikey in RULER's own words
+  (its intro, "One of the special magic numbers for KEY is: VALUE.", "What is the special
+  magic number for KEY mentioned in the provided text? The special magic number for KEY
+  mentioned in the provided text is"), for real LLMs: SmolLM2-135M finds the queried key
+  among distractors far more often in this rendering (MODEL.md). The tiny model's word
+  tokenizer has no "mentioned", "provided", ...: it is not trained on these.
+- passkey_prose: the passkey inside grammar sentences instead of the repeated filler.
 
 Needle 0 (the queried one) sits at the requested depth; the other needles are spread around
 the context at roughly equal gaps (depth + j / n_needles, wrapped, with some jitter).
@@ -54,12 +61,33 @@ def spread_depths(rng: np.random.Generator, depth: float, count: int) -> list[fl
     return out
 
 
+# RULER's niah rendering (its synthetic.yaml / constants.py for niah_single_2 and
+# niah_multikey_1), words as they are there: the intro before the haystack, the needle
+# "One of the special magic numbers for KEY is: VALUE.", the question with its answer prefix.
+RULER_INTRO = ("Some special magic numbers are hidden within the following text . Make sure "
+               "to memorize it . I will quiz you about the numbers afterwards .").split()
+
+
+def ruler_needle(key: str, value: str) -> list[str]:
+    return ["One", "of", "the", "special", "magic", "numbers", "for", key, "is", ":",
+            *spell(value), "."]
+
+
+def ruler_question(key: str) -> list[str]:
+    asked = ["special", "magic", "number", "for", key, "mentioned", "in", "the", "provided",
+             "text"]
+    return ["What", "is", "the", *asked, "?", "The", *asked, "is"]
+
+
 class Niah(Task):
-    def __init__(self, name: str, n_keys: int, n_values: int, n_queries: int, metric: str):
+    def __init__(self, name: str, n_keys: int, n_values: int, n_queries: int, metric: str,
+                 style: str = "kvjax"):
         self.name, self.n_keys, self.n_values, self.n_queries = name, n_keys, n_values, n_queries
-        self.metric = metric
+        self.metric, self.style = metric, style
 
     def question(self, keys: list[str]) -> list[str]:
+        if self.style == "ruler":
+            return ruler_question(keys[0])
         plural = self.n_queries > 1 or self.n_values > 1
         noun = ["special", "magic", "numbers" if plural else "number", "for"]
         if self.n_queries > 1:
@@ -73,16 +101,18 @@ class Niah(Task):
         keys = choose(rng, vocab.keys(), self.n_keys)
         values = distinct_numbers(rng, self.n_keys * self.n_values, VALUE_DIGITS)
         pairs = [(k, values[i * self.n_values + v]) for i, k in enumerate(keys) for v in range(self.n_values)]
-        needles = [needle(k, v) for k, v in pairs]
+        make = ruler_needle if self.style == "ruler" else needle
+        needles = [make(k, v) for k, v in pairs]
+        prefix = RULER_INTRO if self.style == "ruler" else []
         queried = choose(rng, keys, self.n_queries) if self.n_queries > 1 else keys[:1]
         question = self.question(queried)
         budget = context_length - 1 - len(question)
-        needed = 1 + len(question) + sum(map(len, needles)) + MIN_HAYSTACK
+        needed = 1 + len(question) + len(prefix) + sum(map(len, needles)) + MIN_HAYSTACK
         if context_length < needed:
             raise too_small(self.name, context_length, needed)
         depth = 0.5 if depth is None else depth
         depths = spread_depths(rng, depth, len(needles))
-        context, starts = place(rng, grammar_sentences, budget, needles, depths)
+        context, starts = place(rng, grammar_sentences, budget, needles, depths, prefix=prefix)
         if self.n_queries > 1:  # values in the question's order
             by_key = dict(pairs)
             answer = [by_key[k] for k in queried]
@@ -107,8 +137,13 @@ PASSKEY_INTRO = (
 
 
 class Passkey(Task):
-    name = "passkey"
+    """The classic passkey; `prose`: inside grammar sentences instead of the repeated
+    "the grass is green" filler, so the key is not the one sentence that differs."""
+
     metric = "exact_contains"
+
+    def __init__(self, name: str = "passkey", prose: bool = False):
+        self.name, self.prose = name, prose
 
     def build(self, rng: np.random.Generator, context_length: int, depth: float | None) -> Built:
         value = distinct_numbers(rng, 1, PASSKEY_DIGITS)[0]
@@ -120,7 +155,8 @@ class Passkey(Task):
             raise too_small(self.name, context_length, needed)
         depth = 0.5 if depth is None else depth
         budget = context_length - 1 - len(question)
-        context, starts = place(rng, repeat_sentences, budget, [pk], [depth], prefix=PASSKEY_INTRO)
+        filler = grammar_sentences if self.prose else repeat_sentences
+        context, starts = place(rng, filler, budget, [pk], [depth], prefix=PASSKEY_INTRO)
         return Built(context, question, [value], list(v), depth, spans(starts, [pk]))
 
 
@@ -130,4 +166,10 @@ TASKS = [
     Niah("niah_multivalue", n_keys=1, n_values=4, n_queries=1, metric="string_match_all"),
     Niah("niah_multiquery", n_keys=4, n_values=1, n_queries=4, metric="string_match_all"),
     Passkey(),
+    # renderings for real LLMs (MODEL.md, SmolLM2): RULER's words, a passkey in prose
+    Niah("niah_single_ruler", n_keys=1, n_values=1, n_queries=1, metric="exact_contains",
+         style="ruler"),
+    Niah("niah_multikey_ruler", n_keys=4, n_values=1, n_queries=1, metric="string_match_all",
+         style="ruler"),
+    Passkey("passkey_prose", prose=True),
 ]
