@@ -39,6 +39,13 @@ class Model:
     # generate and compress run on it unless given another
     mesh: Any = None
 
+    def __repr__(self) -> str:  # the params would print every weight
+        c = self.cfg
+        return (f"Model({self.name!r}, {c.family}, {c.num_layers} layers, hidden "
+                f"{c.hidden_size}, {c.num_heads} heads / {c.num_kv_heads} KV heads of "
+                f"{c.head_dim}, vocab {c.vocab_size}, {self.params['embed'].dtype}, "
+                f"path={str(self.path) if self.path else None!r})")
+
     def encode(self, text: str, bos: bool = True) -> list[int]:
         """Token ids of `text`. `bos`: add the special tokens of a prompt's start -- an HF
         checkpoint's as transformers adds them (`add_special_tokens`: Llama 3's

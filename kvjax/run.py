@@ -467,7 +467,7 @@ def check_tasks(names: list[str]) -> list[TaskSpec]:
         if not colon:
             if t not in tasks.names():
                 raise UsageError(f"unknown task {t!r}; known: {', '.join(tasks.names())}; or "
-                                 f"a benchmark file: {', '.join(loaders.BENCHMARKS)}:PATH")
+                                 f"a benchmark file: {', '.join(f'{b}:PATH' for b in loaders.BENCHMARKS)}")
             specs.append(TaskSpec(t))
             continue
         if kind not in loaders.BENCHMARKS:
@@ -833,18 +833,31 @@ def _run_main(argv: list[str], debug: bool) -> int:
         return EXIT_USAGE
 
 
+def _first_line(doc: str | None, width: int = 100) -> str:
+    """A docstring's first sentence on one line of at most `width` characters
+    (`--list-methods`)."""
+    para = " ".join((doc or "").strip().split("\n\n")[0].split())
+    line = para.split(". ")[0].rstrip(".")
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
 def _main(argv: list[str]) -> int:
     args = parse_args(argv)
     from kvjax import methods
 
     if args.list_methods:
-        print("\n".join(methods.names()))
+        for n in methods.names():
+            print(f"{n:24} {_first_line(methods.get(n).__doc__)}")
         return 0
     if args.list_tasks:
         from kvjax import tasks
 
         for n in tasks.names():
-            print(f"{n}\t{tasks.get(n).kind}")
+            print(f"{n:20} {tasks.get(n).kind:11} {tasks.DESCRIPTIONS[n]}")
+        print(f"{'ruler:PATH':20} {'file':11} RULER's generated jsonl (a file, or a directory "
+              "of task folders)")
+        print(f"{'longbench:PATH':20} {'file':11} LongBench's jsonl (a file, or a directory of "
+              "them)")
         return 0
     import kvjax
 
@@ -917,7 +930,8 @@ def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
                          f"{_kept(out, finished, len(jobs))}") from e
     out.write(meta(), complete=True)
     if args.output:
-        print(f"wrote {len(out.records)} records to {args.output}", file=sys.stderr)
+        n = len(out.records)
+        print(f"wrote {n} record{'s' if n != 1 else ''} to {args.output}", file=sys.stderr)
     return 0
 
 

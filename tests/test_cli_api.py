@@ -69,10 +69,31 @@ def _run(*args):
 
 
 def test_cli_lists():
+    """One line per method and task, each with its description; benchmark files listed."""
+    from kvjax import methods, tasks
+
     r = _run("--list-methods")
-    assert r.returncode == 0 and "full" in r.stdout.split()
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and [ln.split()[0] for ln in lines] == methods.names()
+    assert all(len(ln.split()) > 2 for ln in lines)  # a description, not just the name
     r = _run("--list-tasks")
-    assert r.returncode == 0 and "niah_single\tretrieval" in r.stdout
+    rows = [ln.split() for ln in r.stdout.splitlines()]
+    assert r.returncode == 0 and [x[0] for x in rows] == [*tasks.names(), "ruler:PATH",
+                                                         "longbench:PATH"]
+    assert ["niah_single", "retrieval"] == rows[tasks.names().index("niah_single")][:2]
+
+
+def test_cli_unknown_task_names_the_file_forms():
+    r = _run("--task", "nosuch")
+    assert r.returncode == 2
+    assert r.stderr.strip().endswith("or a benchmark file: ruler:PATH, longbench:PATH")
+
+
+def test_model_repr_is_short():
+    import kvjax
+
+    text = repr(kvjax.load("tiny-retrieval"))
+    assert len(text) < 300 and "12 layers" in text
 
 
 def test_cli_run_writes_records(model_dir, tmp_path):
@@ -492,3 +513,11 @@ def test_api_takes_numpy_ids_and_method_names(model_dir):
                             max_new_tokens=3, stop_ids=())
     assert by_name.tokens == by_obj.tokens
     assert by_name.stats["kernels"]["window_scores"] == "xla"  # it did compress
+
+
+def test_cli_says_one_record(model_dir, tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    assert cli.main(["--model", str(model_dir), "--method", "full", "--task", "passkey",
+                     "--context", "128", "--samples", "1", "--output", str(out),
+                     "--no-progress"]) == 0
+    assert f"wrote 1 record to {out}" in capsys.readouterr().err

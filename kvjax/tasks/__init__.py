@@ -35,6 +35,22 @@ _REGISTRY: dict[str, Task] = {
     t.name: t for mod in (niah, kv_retrieval, variable_tracking, aggregation) for t in mod.TASKS
 }
 
+DESCRIPTIONS = {  # one line each, for --list-tasks
+    "common_words": "RULER cwe: list the 10 most common words of a long word list",
+    "frequent_words": "RULER fwe: the 3 most frequent coded words of a Zipf-distributed text",
+    "kv_retrieval": "the value of one key in a dictionary of number pairs filling the context",
+    "niah_multikey": "one needle among 3 distractor needles with other keys",
+    "niah_multikey_ruler": "niah_multikey in RULER's own words (for real LLMs)",
+    "niah_multiquery": "the values of 4 keys, each with its needle, asked at once",
+    "niah_multivalue": "the 4 values of one key, in 4 needles",
+    "niah_single": "one 7-digit needle ('the special magic number for KEY is ...') in prose",
+    "niah_single_ruler": "niah_single in RULER's own words (for real LLMs)",
+    "passkey": "a 5-digit pass key in the repeated 'the grass is green' filler",
+    "passkey_prose": "the pass key inside prose instead of the repeated filler",
+    "variable_tracking": "RULER vt: every variable a chain of assignments gives a value",
+}
+assert set(DESCRIPTIONS) == set(_REGISTRY), "every task needs a --list-tasks line"
+
 __all__ = [
     "Sample",
     "Task",
