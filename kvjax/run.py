@@ -511,11 +511,15 @@ def plan(args, model, bases: dict, specs: list[TaskSpec] | None = None) -> list[
     data = {(s.name, c): _prompts_for(model, s, c, args) for s, c in cells}
     points = [(b, None) for b in args.budget] if args.budget else \
         [(None, r) for r in args.ratio] if args.ratio else [(None, None)]
-    jobs, seen = [], set()
+    jobs, seen, noted = [], set(), set()
     for name, (b, r), (spec, ctx) in itertools.product(args.method, points, cells):
         task = spec.name
         base = bases[name]
         if base.with_budget(1) == base.with_budget(2):
+            if (b, r) != (None, None) and name not in noted:
+                noted.add(name)
+                print(f"note: {name} takes no budget: it runs once per task and context "
+                      f"(--budget/--ratio apply to the other methods)", file=sys.stderr)
             b, r = None, None  # no budget to vary
         if (name, b, r, task, ctx) in seen:
             continue
@@ -620,11 +624,14 @@ def evaluate(model, job: Job, args, settings: dict, pbar=None) -> dict:
         "model": model.name,
         "model_weights": _provenance(str(model.path) if model.path else None),
         "versions": _versions(),
+        "machine": _machine(),
         "job": json.loads(job_key(job, settings)),
     }
     if d.spec is not None and not d.spec.synthetic:
         record.update(_benchmark_fields(d, per_sample, args))
     record["chat_template"] = bool(args.chat_template)
+    if job.budget is None and job.ratio is None and (args.budget or args.ratio):
+        record["note"] = f"{job.method} takes no budget: --budget/--ratio not applied"
     if args.details:
         record["details"] = per_sample
     return record
@@ -675,6 +682,20 @@ def merge_kernels(per_batch: list[dict]) -> dict[str, str]:
         for op, impl in k.items():
             ops.setdefault(op, set()).update(x.strip() for x in impl.split(","))
     return {op: ", ".join(sorted(v)) for op, v in sorted(ops.items())}
+
+
+def _machine() -> dict:
+    """What a record's timings were measured on: without it TTFT and time per token cannot
+    be compared between records."""
+    import platform
+
+    import jax
+
+    dev = jax.devices()[0]
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"backend": jax.default_backend(), "device_kind": dev.device_kind,
+            "device_count": jax.device_count(), "cpu_threads": threads,
+            "cpu": platform.processor() or platform.machine()}
 
 
 def _versions() -> dict:
@@ -932,6 +953,8 @@ def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
     if args.output:
         n = len(out.records)
         print(f"wrote {n} record{'s' if n != 1 else ''} to {args.output}", file=sys.stderr)
+    else:
+        print("nothing was saved: give --output FILE to keep the records", file=sys.stderr)
     return 0
 
 

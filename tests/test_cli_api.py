@@ -521,3 +521,19 @@ def test_cli_says_one_record(model_dir, tmp_path, capsys):
                      "--context", "128", "--samples", "1", "--output", str(out),
                      "--no-progress"]) == 0
     assert f"wrote 1 record to {out}" in capsys.readouterr().err
+
+
+def test_cli_full_with_a_budget_is_noted_and_records_name_the_machine(model_dir, tmp_path,
+                                                                      capsys):
+    out = tmp_path / "r.jsonl"
+    assert cli.main(["--model", str(model_dir), "--method", "full", "--budget", "64",
+                     "--task", "passkey", "--context", "128", "--samples", "1", "--output",
+                     str(out), "--no-progress"]) == 0
+    assert "note: full takes no budget" in capsys.readouterr().err
+    rec = json.loads(out.read_text())
+    assert rec["budget"] is None and "takes no budget" in rec["note"]
+    m = rec["machine"]
+    assert m["backend"] == "cpu" and m["device_count"] >= 1 and m["cpu_threads"] >= 1
+    assert cli.main(["--model", str(model_dir), "--method", "full", "--task", "passkey",
+                     "--context", "128", "--samples", "1", "--no-progress"]) == 0
+    assert "nothing was saved" in capsys.readouterr().err
