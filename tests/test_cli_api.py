@@ -537,3 +537,37 @@ def test_cli_full_with_a_budget_is_noted_and_records_name_the_machine(model_dir,
     assert cli.main(["--model", str(model_dir), "--method", "full", "--task", "passkey",
                      "--context", "128", "--samples", "1", "--no-progress"]) == 0
     assert "nothing was saved" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("delay", [1.5, 4.0, 7.0, 10.0])
+def test_cli_ctrl_c_exits_130_at_any_point(model_dir, tmp_path, delay):
+    """Ctrl-C while the model loads, a program compiles or a batch runs: always exit 130
+    with the one `error:` line, never a crash in XLA's threads at teardown (the process
+    leaves with os._exit once the records are on disk). `-m slow`'s variant tries 20
+    points."""
+    _interrupt_once(model_dir, tmp_path, delay)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("try_", range(20))
+def test_cli_ctrl_c_exits_130_twenty_tries(model_dir, tmp_path, try_):
+    _interrupt_once(model_dir, tmp_path, 1.0 + 0.6 * try_)
+
+
+def _interrupt_once(model_dir, tmp_path, delay):
+    import signal
+    import time
+
+    out = tmp_path / "r.jsonl"
+    args = _sweep(model_dir, out, "--no-progress")  # made long: 2 x 4 x 11 records
+    args[args.index("48,64")] = ",".join(str(b) for b in range(40, 120, 8))
+    args[args.index("passkey")] = "passkey,niah_single"
+    args[args.index("128")] = "128,192,256,320"
+    p = subprocess.Popen([sys.executable, "-m", "kvjax.run", *args], stderr=subprocess.PIPE,
+                         text=True)
+    time.sleep(delay)
+    assert p.poll() is None, p.stderr.read()
+    p.send_signal(signal.SIGINT)
+    err = p.communicate(timeout=120)[1]
+    assert p.returncode == 130, (p.returncode, err)
+    assert err.strip().splitlines()[-1].startswith("error: interrupted"), err
