@@ -65,6 +65,26 @@ def test_logits_equal_transformers_on_the_same_file(arch, qtype, tmp_path):
                                   sd["model.layers.0.self_attn.k_proj.weight"].T)
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_greedy_tokens_equal_transformers_on_the_same_file(arch, tmp_path):
+    """12 greedy tokens through kvjax's prefill and decode equal transformers' `generate`
+    on the same Q4_1 file."""
+    import torch
+
+    from kvjax import engine
+
+    name, extra = ARCHS[arch]
+    f = gguf_files.write(tmp_path / "m.gguf", hf_models.build(name, **extra), "Q4_1")
+    cfg, params = kg.load(f)
+    ref = _transformers_gguf(f)
+    ids = [int(i) for i in np.random.default_rng(5).integers(3, cfg.vocab_size, 23)]
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    got = engine.run(params, cfg, [ids], None, max_new_tokens=12, stop_ids=()).tokens[0]
+    assert got == want
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 def test_dequantized_weights_are_near_the_originals(qtype, tmp_path):
     """Independent of the `gguf` reader: the loaded weight is within the type's rounding of
