@@ -2,17 +2,24 @@
 
 __version__ = "0.1.0"
 
-from kvjax import methods  # noqa: E402
-from kvjax.api import Model, Result, compress, generate, load  # noqa: E402
-from kvjax.config import ModelConfig  # noqa: E402
-
 __all__ = ["Model", "ModelConfig", "Result", "compress", "generate", "load", "methods", "tasks"]
+
+# Everything is imported on first use: `import kvjax` stays instant, so `python -m kvjax.run`
+# reaches its Ctrl-C handling before JAX loads (an interrupt during that import was a
+# traceback and a death by SIGINT, not the CLI's one line and exit 130).
+_FROM = {"Model": "kvjax.api", "Result": "kvjax.api", "compress": "kvjax.api",
+         "generate": "kvjax.api", "load": "kvjax.api", "ModelConfig": "kvjax.config"}
 
 
 def __getattr__(name):
-    # tasks pull in the tokenizer and word lists: import them only when used
-    if name == "tasks":
-        import importlib
+    import importlib
 
-        return importlib.import_module("kvjax.tasks")
+    if name in ("methods", "tasks"):
+        return importlib.import_module(f"kvjax.{name}")
+    if name in _FROM:
+        return getattr(importlib.import_module(_FROM[name]), name)
     raise AttributeError(f"module 'kvjax' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *__all__])

@@ -44,8 +44,28 @@ class Terminated(KeyboardInterrupt):
     kept, one line, exit 143."""
 
 
+# signals received and not yet acted on: the exception a handler raises can land where
+# Python ignores it (a garbage-collection callback of XLA's, seen here), so the sweep also
+# checks this between batches and records (`_check_signals`)
+_PENDING: list[int] = []
+
+
 def _on_sigterm(signum, frame):
+    _PENDING.append(signum)
     raise Terminated
+
+
+def _on_sigint(signum, frame):
+    _PENDING.append(signum)
+    raise KeyboardInterrupt
+
+
+def _check_signals() -> None:
+    """Raise for a signal whose handler's exception was swallowed."""
+    if signal.SIGTERM in _PENDING:
+        raise Terminated
+    if _PENDING:
+        raise KeyboardInterrupt
 
 
 class UsageError(SystemExit):
@@ -511,16 +531,12 @@ def plan(args, model, bases: dict, specs: list[TaskSpec] | None = None) -> list[
     data = {(s.name, c): _prompts_for(model, s, c, args) for s, c in cells}
     points = [(b, None) for b in args.budget] if args.budget else \
         [(None, r) for r in args.ratio] if args.ratio else [(None, None)]
-    jobs, seen, noted = [], set(), set()
+    jobs, seen = [], set()
     for name, (b, r), (spec, ctx) in itertools.product(args.method, points, cells):
         task = spec.name
         base = bases[name]
         if base.with_budget(1) == base.with_budget(2):
-            if (b, r) != (None, None) and name not in noted:
-                noted.add(name)
-                print(f"note: {name} takes no budget: it runs once per task and context "
-                      f"(--budget/--ratio apply to the other methods)", file=sys.stderr)
-            b, r = None, None  # no budget to vary
+            b, r = None, None  # no budget to vary (its record and line say so)
         if (name, b, r, task, ctx) in seen:
             continue
         seen.add((name, b, r, task, ctx))
@@ -565,6 +581,7 @@ def evaluate(model, job: Job, args, settings: dict, pbar=None) -> dict:
                          [d.questions[i] for i in idx],
                          max_new_tokens=max(d.max_new[i] for i in idx),
                          kernels=Kernels.every(args.kernels), mesh=model.mesh)
+        _check_signals()
         st = gen.stats
         ran = _resolved(method, d, idx)
         used[ran] = budget_of(ran, job.budget if job.budget is not None else
@@ -748,6 +765,7 @@ class Output:
         self.path, self.records, self.lines = path, [], path is not None and \
             path.suffix == ".jsonl"
         self.appending = resume  # JSON lines: append to what is there
+        self.file_args = None  # a .json output's own command (its "args")
         if path is None:
             return
         if path.is_dir():
@@ -768,10 +786,39 @@ class Output:
         if resume and path.exists():
             from kvjax.report import load_records
 
+            if self.lines:
+                self._drop_partial_line()
             try:
                 self.records = load_records(path)
             except (ValueError, KeyError, TypeError) as e:
                 raise UsageError(f"--output {path} cannot be resumed: {e}") from e
+            if not self.lines:
+                try:
+                    self.file_args = json.loads(path.read_text()).get("args")
+                except (ValueError, AttributeError):
+                    self.file_args = None
+
+    def _drop_partial_line(self) -> None:
+        """A JSON-lines file whose last line was cut off by a kill (no newline after it,
+        not JSON): the partial record is dropped, with a warning, so appending continues
+        a well-formed file; no finished record is touched."""
+        data = self.path.read_bytes()
+        if not data or data.endswith(b"\n"):
+            return
+        cut = data.rfind(b"\n") + 1
+        try:
+            json.loads(data[cut:])
+        except ValueError:
+            pass
+        else:  # a whole record without its newline: kept, the next one on a line of its own
+            with open(self.path, "ab") as f:
+                f.write(b"\n")
+            return
+        with open(self.path, "r+b") as f:
+            f.truncate(cut)
+        print(f"warning: {self.path}: dropped its last line, a record cut off when a run was "
+              f"killed ({len(data) - cut} bytes); the finished records are kept",
+              file=sys.stderr)
 
     def done(self) -> set[str]:
         """The `job` keys already measured (records older than the field match none)."""
@@ -820,12 +867,15 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    _PENDING.clear()
+    previous = {sig: signal.signal(sig, h) for sig, h in
+                ((signal.SIGTERM, _on_sigterm), (signal.SIGINT, _on_sigint))} \
+        if main_thread else {}
     try:
         return _run_main(argv, debug)
     finally:
-        if main_thread:  # None: a handler not installed from Python
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for sig, handler in previous.items():  # None: a handler not installed from Python
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def _run_main(argv: list[str], debug: bool) -> int:
@@ -900,12 +950,46 @@ def _main(argv: list[str]) -> int:
         raise UsageError(f"--output {args.output} holds records of other weights "
                          f"{sorted(other, key=str)} than {args.model}'s {settings['weights']}: "
                          "resume into another --output, or --overwrite")
+    _check_resume(out, args, settings)
     done = out.done()
     todo = [j for j in jobs if job_key(j, settings) not in done]
     if args.resume:
         print(f"resume: {len(jobs) - len(todo)} of {len(jobs)} records already in "
               f"{args.output}", file=sys.stderr)
     return _run(model, todo, args, settings, out)
+
+
+_IDENTITY = ("method", "budget", "ratio", "task", "context", "file_sha256", "fraction",
+             "max_samples")
+
+
+def _check_resume(out: "Output", args, settings: dict) -> None:
+    """--resume continues the same sweep: every job field besides (method, budget, ratio,
+    task, context) of the file's records (samples, seed, scenario, dtype, max_new_tokens,
+    --set, ...) must be this command's, and a .json file's own lists of methods, budgets,
+    tasks and contexts too; else one error names the first field that differs."""
+    if not args.resume:
+        return
+    for r in out.records:
+        job = r.get("job")
+        if job is None:
+            continue
+        for k in sorted((set(job) | set(settings)) - set(_IDENTITY)):
+            if job.get(k) != settings.get(k):
+                raise UsageError(f"--resume: {args.output} was measured with {k}="
+                                 f"{job.get(k)!r}, this command has {k}={settings.get(k)!r}; "
+                                 "resume with the same command, or use another --output")
+    file_args = out.file_args or {}
+    for k in ("method", "budget", "ratio", "task", "context"):
+        if k in file_args and file_args[k] != getattr(args, k):
+            raise UsageError(f"--resume: {args.output} is the sweep --{k} "
+                             f"{_listed(file_args[k])}, this command has --{k} "
+                             f"{_listed(getattr(args, k))}; resume with the same command, "
+                             "or use another --output")
+
+
+def _listed(v) -> str:
+    return "(none)" if v is None else ",".join(map(str, v)) if isinstance(v, list) else str(v)
 
 
 def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
@@ -925,6 +1009,7 @@ def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
                   file=sys.stderr) as pbar:
             held = None
             for job in jobs:
+                _check_signals()
                 # one (method, budget)'s executables at a time (vm.max_map_count); its tasks
                 # and contexts follow each other and share them
                 if (job.method, job.budget, job.ratio) != held:
@@ -938,7 +1023,8 @@ def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
                 pbar.write(f"{rec['method']:>16} budget={str(rec['budget']):>5} "
                            f"{job.task:>16} ctx={str(job.context or '-'):>5} acc={rec['accuracy']:.3f} "
                            f"kv={rec['kv_fraction']:.3f} ttft={rec['ttft_s']*1e3:.1f}ms "
-                           f"tpot={(rec['tpot_s'] or 0)*1e3:.2f}ms")
+                           f"tpot={(rec['tpot_s'] or 0)*1e3:.2f}ms"
+                           + (f"  note: {rec['note']}" if "note" in rec else ""))
     except KeyboardInterrupt as e:
         if args.debug:
             raise

@@ -6,7 +6,8 @@ MODEL.md between the `smollm2` markers.
 
 Each sweep is `python -m kvjax.run --model smollm2-135m --method full --task <every task>
 --context <list> --samples N --details` (plain prompts, or `--chat-template`), its records in
-docs/results/smollm2/card_<kind>.jsonl; an interrupted sweep resumes (`report.run_once`).
+docs/results/smollm2/card_<kind>_<contexts>.jsonl; an interrupted sweep resumes
+(`report.run_once`).
 A cell is the accuracy with its 95% Wilson interval; a task "judges" compression at a
 length when the full cache scores 90% or more there (the bar of docs/results' pages).
 """
@@ -35,7 +36,7 @@ def sweep_args(kind: str, contexts: str, samples: int, task_names: list[str]) ->
 
 def cell(r: dict) -> str:
     lo, hi = report.wilson(r["accuracy"] * r["samples"], r["samples"])
-    return f"{100 * r['accuracy']:.0f} [{100 * lo:.0f}, {100 * hi:.0f}]"
+    return f"{100 * r['accuracy']:.0f} [{100 * lo:.0f}, {100 * hi:.0f}] (n={r['samples']})"
 
 
 def table(records: list[dict]) -> str:
@@ -46,12 +47,10 @@ def table(records: list[dict]) -> str:
     for t in tasks.names():
         row = [cell(by[t, c]) if (t, c) in by else "not run" for c in cols]
         lines.append(f"| {t} | " + " | ".join(row) + " |")
-    n = sorted({r["samples"] for r in records})
     toks = {c: [r["prompt_tokens"] for r in records if r["context_length"] == c] for c in cols}
     span = "; ".join(f"{c}: {min(p['min'] for p in v)}-{max(p['max'] for p in v)}"
                      for c, v in toks.items())
-    return "\n".join(lines) + (f"\n\nSamples per cell: {', '.join(map(str, n))}. Prompt "
-                               f"tokens (min-max over the cells' samples): {span}.")
+    return "\n".join(lines) + f"\n\nPrompt tokens (min-max over the cells' samples): {span}."
 
 
 def judges(records: list[dict]) -> str:
@@ -67,13 +66,14 @@ def judges(records: list[dict]) -> str:
 def render() -> str:
     parts = []
     for kind, title in (("plain", "Plain prompts"), ("chat", "With `--chat-template`")):
-        path = OUT / f"card_{kind}.jsonl"
-        records = report.load_records(path) if path.exists() else []
+        paths = sorted(OUT.glob(f"card_{kind}_*.jsonl"))
+        records = report.load_records(*paths) if paths else []
         if not records:
             parts.append(f"**{title}**: not measured yet.")
             continue
-        parts.append(f"**{title}** ({report.model_line(records)}; records "
-                     f"`docs/results/smollm2/card_{kind}.jsonl`). Accuracy in % [95% Wilson "
+        files = ", ".join(f"`{p.name}`" for p in paths)
+        parts.append(f"**{title}** ({report.model_line(records)}; records in "
+                     f"docs/results/smollm2/: {files}). Accuracy in % [95% Wilson "
                      f"interval]:\n\n{table(records)}\n\nTasks at 90% or more (they can judge "
                      f"a compression method at that length):\n\n{judges(records)}")
     return "\n\n".join(parts)
@@ -92,7 +92,7 @@ def main() -> int:
         if kind not in ("plain", "chat"):
             p.error(f"--measure {m}: KIND is plain or chat")
         OUT.mkdir(parents=True, exist_ok=True)
-        report.run_once(OUT / f"card_{kind}.jsonl",
+        report.run_once(OUT / f"card_{kind}_{contexts.replace(',', '_')}.jsonl",
                         sweep_args(kind, contexts, a.samples, a.tasks.split(",")), ROOT)
     body = render()
     report.replace_section(ROOT / "MODEL.md", "smollm2", body)

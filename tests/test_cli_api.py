@@ -404,11 +404,12 @@ def test_cli_records_the_budget_used(model_dir, tmp_path, capsys):
             "1", "--max-new-tokens", "1"]
     assert _main(capsys, *base, "--method", "snapkv", "--set", "budget=40", "--output",
                  str(out))[0] == 0
-    assert _main(capsys, *base, "--method", "snapkv,critical_snapkv", "--output", str(out),
-                 "--resume")[0] == 0
+    out2 = tmp_path / "r2.jsonl"  # another --set is another sweep (--resume refuses it)
+    assert _main(capsys, *base, "--method", "snapkv,critical_snapkv", "--output",
+                 str(out2))[0] == 0
     from kvjax import report
 
-    recs = report.load_records(out)
+    recs = report.load_records(out, out2)
     assert [(r["method"], r["budget"], r["method_params"]["budget"] if "budget" in
              r["method_params"] else r["method_params"]["base"]["budget"]) for r in recs] == [
         ("snapkv", 40, 40), ("snapkv", 128, 128), ("critical_snapkv", 128, 128)]
@@ -430,14 +431,14 @@ def test_cli_ratio_is_of_the_compressed_part(model_dir, tmp_path, capsys):
     s = tasks.generate("passkey", context_length=128, n=1, seed=0)[0]
     n_ctx, n_prompt = len(model.encode(s.context)), len(model.encode(s.prompt))
     assert n_prompt == 128 and n_ctx < n_prompt
-    out = tmp_path / "r.jsonl"
-    for scenario in ("context_only", "question_aware"):
+    outs = [tmp_path / f"{scenario}.jsonl" for scenario in ("context_only", "question_aware")]
+    for scenario, out in zip(("context_only", "question_aware"), outs):
         assert _main(capsys, "--model", str(model_dir), "--method", "snapkv", "--ratio",
                      "0,0.5", "--task", "passkey", "--context", "128", "--samples", "1",
-                     "--max-new-tokens", "1", "--scenario", scenario, "--output", str(out),
-                     "--resume")[0] == 0
+                     "--max-new-tokens", "1", "--scenario", scenario, "--output",
+                     str(out))[0] == 0
     got = [(r["scenario"], r["ratio"], r["budget"], r["kv_bytes_live"] / r["kv_bytes_full"])
-           for r in report.load_records(out)]
+           for r in report.load_records(*outs)]
     q = n_prompt - n_ctx
     assert got == [("context_only", 0.0, n_ctx, 1.0),
                    ("context_only", 0.5, n_ctx // 2, (n_ctx // 2 + q) / n_prompt),
@@ -529,7 +530,8 @@ def test_cli_full_with_a_budget_is_noted_and_records_name_the_machine(model_dir,
     assert cli.main(["--model", str(model_dir), "--method", "full", "--budget", "64",
                      "--task", "passkey", "--context", "128", "--samples", "1", "--output",
                      str(out), "--no-progress"]) == 0
-    assert "note: full takes no budget" in capsys.readouterr().err
+    assert "note: full takes no budget: --budget/--ratio not applied" in \
+        capsys.readouterr().out  # on the record's line
     rec = json.loads(out.read_text())
     assert rec["budget"] is None and "takes no budget" in rec["note"]
     m = rec["machine"]
@@ -571,3 +573,39 @@ def _interrupt_once(model_dir, tmp_path, delay):
     err = p.communicate(timeout=120)[1]
     assert p.returncode == 130, (p.returncode, err)
     assert err.strip().splitlines()[-1].startswith("error: interrupted"), err
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_cli_resume_refuses_another_command(model_dir, tmp_path, capsys, suffix):
+    """--resume with other samples added a second record of the same cell (and on .json
+    marked the unfinished sweep complete under the new args): refused, naming the field."""
+    out = tmp_path / f"r{suffix}"
+    argv = ["--model", str(model_dir), "--task", "passkey", "--context", "128",
+            "--max-new-tokens", "1", "--output", str(out)]
+    assert _main(capsys, *argv, "--samples", "2")[0] == 0
+    before = out.read_text()
+    line = _error(capsys, *argv, "--samples", "1", "--resume")
+    assert line == (f"error: --resume: {out} was measured with samples=2, this command has "
+                    "samples=1; resume with the same command, or use another --output")
+    assert out.read_text() == before
+    if suffix == ".json":  # the file's own lists are its sweep
+        line = _error(capsys, *argv, "--samples", "2", "--task", "passkey,niah_single",
+                      "--resume")
+        assert "is the sweep --task passkey, this command has --task passkey,niah_single" in line
+    assert _main(capsys, *argv, "--samples", "2", "--resume")[0] == 0
+    assert out.read_text().count('"samples": 2') >= 1
+
+
+def test_cli_resume_drops_a_record_cut_off_by_a_kill(model_dir, tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    argv = ["--model", str(model_dir), "--method", "full,snapkv", "--budget", "48",
+            "--task", "passkey", "--context", "128", "--samples", "1", "--max-new-tokens", "1",
+            "--output", str(out)]
+    assert _main(capsys, *argv)[0] == 0
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text(lines[0] + lines[1][:40])  # the second record half written
+    rc, err = _main(capsys, *argv, "--resume")
+    assert rc == 0 and "dropped its last line, a record cut off" in err
+    from kvjax import report
+
+    assert [r["method"] for r in report.load_records(out)] == ["full", "snapkv"]
