@@ -17,7 +17,12 @@ def __getattr__(name):
     if name in ("methods", "tasks"):
         return importlib.import_module(f"kvjax.{name}")
     if name in _FROM:
-        return getattr(importlib.import_module(_FROM[name]), name)
+        # bind every public name at once: importing kvjax.api imports the subpackage
+        # kvjax.compress, which Python sets as this module's `compress` attribute; the
+        # function `compress` must win, as it did when this file imported it eagerly
+        for n, mod in _FROM.items():
+            globals()[n] = getattr(importlib.import_module(mod), n)
+        return globals()[name]
     raise AttributeError(f"module 'kvjax' has no attribute {name!r}")
 
 

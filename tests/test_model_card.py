@@ -38,7 +38,9 @@ def card() -> tuple[dict[str, float], int]:
 
 def test_card_parses():
     acc, n = card()
-    assert set(acc) == set(tasks.names()) and n > 0
+    # the renderings for real LLMs are not the tiny model's (its card predates them)
+    llm_only = {"niah_single_ruler", "niah_multikey_ruler", "passkey_prose"}
+    assert set(acc) == set(tasks.names()) - llm_only and n > 0
 
 
 @pytest.mark.slow
