@@ -123,7 +123,8 @@ class Niah(Task):
             context=context,
             question=question,
             answer=answer,
-            target=join_items([spell(v) for v in answer]),
+            # RULER's needles read "is: VALUE", so its answer prefix is continued with ":"
+            target=([":"] if self.style == "ruler" else []) + join_items([spell(v) for v in answer]),
             depth=depth,
             needle_positions=spans(starts, needles),
         )
