@@ -167,26 +167,33 @@ def load_hf(path: str | Path, dtype=jnp.float32, shardings=None) -> tuple[ModelC
     if unexpected:
         raise ValueError(f"checkpoint {path} has tensors this config does not use: {unexpected[:5]}")
 
-    shapes = param_shapes(cfg)
     if shardings is not None:
-        return cfg, _load_sharded(files, expected, shapes, dtype, shardings(cfg))
+        return cfg, _load_sharded(files, expected, param_shapes(cfg), dtype, shardings(cfg))
+    return cfg, assemble(((name, ours, _read(files[name], name), t)
+                          for name, (ours, t) in expected.items()), cfg, dtype)
+
+
+def assemble(tensors, cfg: ModelConfig, dtype, where: str = "") -> Params:
+    """The params tree from (file tensor name, our path "embed" or "layers/q/3", the array
+    as the file lays it out, whether to transpose it) -- each checked against the shape the
+    config implies, the per-layer ones stacked [L, ...]. `where` prefixes the errors."""
+    shapes = param_shapes(cfg)
     params: dict = {"layers": {}}
     per_layer: dict[str, list] = {n: [None] * cfg.num_layers for n in shapes["layers"]}
-    for name, (ours, transpose) in expected.items():
-        x = _read(files[name], name)
+    for name, ours, x, transpose in tensors:
         x = x.T if transpose else x
         parts = ours.split("/")
         want = shapes[parts[0]] if len(parts) == 1 else shapes["layers"][parts[1]][1:]
         if tuple(x.shape) != tuple(want):
             stored = tuple(x.T.shape) if transpose else tuple(x.shape)
-            raise ValueError(f"tensor {name} has shape {stored}, config implies "
+            raise ValueError(f"{where}tensor {name} has shape {stored}, config implies "
                              f"{tuple(want[::-1]) if transpose else tuple(want)}")
         if len(parts) == 1:
             params[ours] = jnp.asarray(x, dtype)
         else:
             per_layer[parts[1]][int(parts[2])] = x
     params["layers"] = {n: jnp.asarray(np.stack(xs), dtype) for n, xs in per_layer.items()}
-    return cfg, params
+    return params
 
 
 def generation_eos(path: str | Path) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig, RopeScaling
-from kvjax.models.checkpoint import param_shapes
+from kvjax.models.checkpoint import assemble, param_shapes
 from kvjax.models.transformer import Params
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF -> family
@@ -199,11 +199,10 @@ def load(path: str | Path, dtype=jnp.float32, shardings=None) -> tuple[ModelConf
     by_name = {t.name: t for t in r.tensors}
     if "rope_freqs.weight" in by_name:
         cfg = _llama3_from_freqs(cfg, dequantize(by_name["rope_freqs.weight"], path), path)
-    shapes = param_shapes(cfg)
     expected = {"token_embd.weight": ("embed", False), "output_norm.weight": ("final_norm", False)}
     if not cfg.tie_word_embeddings:
         expected["output.weight"] = ("lm_head", True)
-    for ours in shapes["layers"]:
+    for ours in param_shapes(cfg)["layers"]:
         gg, t = _LAYER[ours]
         for i in range(cfg.num_layers):
             expected[f"blk.{i}.{gg}"] = (f"layers/{ours}/{i}", t)
@@ -215,23 +214,15 @@ def load(path: str | Path, dtype=jnp.float32, shardings=None) -> tuple[ModelConf
     if unexpected:
         raise ValueError(f"{path} has tensors this config does not use: {unexpected[:5]}")
     permute = cfg.family == "llama"
-    params: dict = {"layers": {}}
-    per_layer: dict[str, list] = {n: [None] * cfg.num_layers for n in shapes["layers"]}
-    for name, (ours, transpose) in expected.items():
-        x = dequantize(by_name[name], path)
-        if permute and name.endswith((".attn_q.weight", ".attn_k.weight")):
-            x = unpermute(x, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
-        x = x.T if transpose else x
-        parts = ours.split("/")
-        want = shapes[parts[0]] if len(parts) == 1 else shapes["layers"][parts[1]][1:]
-        if tuple(x.shape) != tuple(want):
-            raise ValueError(f"{path}: tensor {name} has shape {tuple(x.shape)} (ours), the "
-                             f"config implies {tuple(want)}")
-        if len(parts) == 1:
-            params[ours] = jnp.asarray(x, dtype)
-        else:
-            per_layer[parts[1]][int(parts[2])] = x
-    params["layers"] = {n: jnp.asarray(np.stack(xs), dtype) for n, xs in per_layer.items()}
+
+    def tensors():
+        for name, (ours, transpose) in expected.items():
+            x = dequantize(by_name[name], path)
+            if permute and name.endswith((".attn_q.weight", ".attn_k.weight")):
+                x = unpermute(x, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+            yield name, ours, x, transpose
+
+    params = assemble(tensors(), cfg, dtype, where=f"{path}: ")
     if shardings is not None:
         params = jax.device_put(params, shardings(cfg))
     return cfg, params
