@@ -58,16 +58,25 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def _hf_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
-    """Flat map: HF tensor name -> (our path 'layers/q/3' style, transpose)."""
-    names = {"model.embed_tokens.weight": ("embed", False), "model.norm.weight": ("final_norm", False)}
+def tensor_names(cfg: ModelConfig, top: dict[str, str], layer: dict[str, tuple[str, bool]],
+                 layer_format: str) -> dict[str, tuple[str, bool]]:
+    """Flat map: a file's tensor name -> (our path 'layers/q/3' style, transpose), for every
+    tensor the config implies. `top`: the file's names of embed, final_norm and lm_head;
+    `layer`: our layer name -> (the file's, transpose); `layer_format`: "...{i}.{name}"."""
+    names = {top["embed"]: ("embed", False), top["final_norm"]: ("final_norm", False)}
     if not cfg.tie_word_embeddings:
-        names["lm_head.weight"] = ("lm_head", True)
+        names[top["lm_head"]] = ("lm_head", True)
     for ours in param_shapes(cfg)["layers"]:
-        hf, t = _LAYER[ours]
+        theirs, t = layer[ours]
         for i in range(cfg.num_layers):
-            names[f"model.layers.{i}.{hf}"] = (f"layers/{ours}/{i}", t)
+            names[layer_format.format(i=i, name=theirs)] = (f"layers/{ours}/{i}", t)
     return names
+
+
+def _hf_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+    return tensor_names(cfg, {"embed": "model.embed_tokens.weight", "final_norm":
+                              "model.norm.weight", "lm_head": "lm_head.weight"},
+                        _LAYER, "model.layers.{i}.{name}")
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:

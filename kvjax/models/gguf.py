@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig, RopeScaling
-from kvjax.models.checkpoint import assemble, param_shapes
+from kvjax.models.checkpoint import assemble, tensor_names
 from kvjax.models.transformer import Params
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF -> family
@@ -199,13 +199,9 @@ def load(path: str | Path, dtype=jnp.float32, shardings=None) -> tuple[ModelConf
     by_name = {t.name: t for t in r.tensors}
     if "rope_freqs.weight" in by_name:
         cfg = _llama3_from_freqs(cfg, dequantize(by_name["rope_freqs.weight"], path), path)
-    expected = {"token_embd.weight": ("embed", False), "output_norm.weight": ("final_norm", False)}
-    if not cfg.tie_word_embeddings:
-        expected["output.weight"] = ("lm_head", True)
-    for ours in param_shapes(cfg)["layers"]:
-        gg, t = _LAYER[ours]
-        for i in range(cfg.num_layers):
-            expected[f"blk.{i}.{gg}"] = (f"layers/{ours}/{i}", t)
+    expected = tensor_names(cfg, {"embed": "token_embd.weight", "final_norm":
+                                  "output_norm.weight", "lm_head": "output.weight"},
+                            _LAYER, "blk.{i}.{name}")
     missing = sorted(set(expected) - set(by_name))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
