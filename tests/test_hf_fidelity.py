@@ -428,12 +428,16 @@ def test_cli_dtype_is_recorded(model_dir, tmp_path, capsys):  # noqa: F811
     from kvjax import report
     from kvjax import run as cli
 
-    out = tmp_path / "r.jsonl"
-    for dtype in ("bfloat16", "auto"):
-        rc = cli.main(["--model", str(model_dir), "--task", "passkey", "--context", "128",
-                       "--samples", "1", "--max-new-tokens", "2", "--dtype", dtype,
-                       "--output", str(out), "--resume", "--no-progress"])
+    outs = {d: tmp_path / f"{d}.jsonl" for d in ("bfloat16", "auto")}
+    argv = ["--model", str(model_dir), "--task", "passkey", "--context", "128", "--samples",
+            "1", "--max-new-tokens", "2", "--no-progress"]
+    for dtype, out in outs.items():
+        rc = cli.main([*argv, "--dtype", dtype, "--output", str(out)])
         assert rc == 0, capsys.readouterr().err
-    bf16, auto = report.load_records(out)
+    # another dtype is another sweep: --resume refuses to mix them, naming the field
+    assert cli.main([*argv, "--output", str(outs["bfloat16"]), "--resume"]) == 2
+    assert "was measured with dtype='bfloat16', this command has dtype=None" in \
+        capsys.readouterr().err
+    bf16, auto = report.load_records(*outs.values())
     assert (bf16["dtype"], bf16["job"]["dtype"]) == ("bfloat16", "bfloat16")
     assert auto["dtype"] == "float32" and "dtype" not in auto["job"]
