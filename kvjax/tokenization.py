@@ -163,11 +163,10 @@ def from_gguf(r, path) -> tuple[Any, TextFormat]:
     tok.decoder = decoders.ByteLevel()
     tok.add_tokens([AddedToken(t, special=k == _GGUF_CONTROL, normalized=False)
                     for t, k in zip(tokens, types) if k in (_GGUF_CONTROL, _GGUF_USER_DEFINED)])
-    ids = {n: field(r, f"tokenizer.ggml.{n}_token_id")
-           for n in ("bos", "eos", "unknown", "seperator", "padding", "cls", "mask")}
-    names = {"bos": "bos_token", "eos": "eos_token", "unknown": "unk_token",
+    names = {"bos": "bos_token", "eos": "eos_token", "unknown": "unk_token",  # GGUF's keys
              "seperator": "sep_token", "padding": "pad_token", "cls": "cls_token",
              "mask": "mask_token"}
+    ids = {n: field(r, f"tokenizer.ggml.{n}_token_id") for n in names}
     special = {names[n]: tokens[i] for n, i in ids.items() if i is not None and i < len(tokens)}
     around = [("bos", field(r, "tokenizer.ggml.add_bos_token", False)),
               ("eos", field(r, "tokenizer.ggml.add_eos_token", False))]
