@@ -24,7 +24,6 @@ sys.path.insert(0, str(ROOT))
 from kvjax import report, tasks  # noqa: E402
 
 OUT = ROOT / "docs" / "results" / "smollm2"
-CONTEXTS = (1024, 2048, 4096, 8192)
 BAR = 0.9
 
 
@@ -41,7 +40,7 @@ def cell(r: dict) -> str:
 
 def table(records: list[dict]) -> str:
     by = {(r["task"], r["context_length"]): r for r in records}
-    cols = [c for c in CONTEXTS if any(k[1] == c for k in by)]
+    cols = sorted({k[1] for k in by})
     lines = ["| task | " + " | ".join(str(c) for c in cols) + " |",
              "|---|" + "---|" * len(cols)]
     for t in tasks.names():
