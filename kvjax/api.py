@@ -202,8 +202,9 @@ def load(name_or_path: str | Path = "tiny-retrieval", dtype=jnp.float32, mesh=No
         from kvjax import tokenization
         from kvjax.models import gguf
 
-        cfg, params = gguf.load(path, resolve_dtype(dtype), shardings=shardings)
-        tokenizer, text_format = tokenization.from_gguf(gguf.reader(path), path)
+        r = gguf.reader(path)  # read once: weights and tokenizer
+        cfg, params = gguf.load(path, resolve_dtype(dtype), shardings=shardings, r=r)
+        tokenizer, text_format = tokenization.from_gguf(r, path)
         name = str(name_or_path) if str(name_or_path) in PACKAGED else path.name
         return Model(cfg, params, name, path, tokenizer, text_format, mesh)
     cfg, params = load_hf(path, resolve_dtype(dtype), shardings=shardings)

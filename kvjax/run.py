@@ -641,7 +641,7 @@ def evaluate(model, job: Job, args, settings: dict, pbar=None) -> dict:
         "model": model.name,
         "model_weights": _provenance(str(model.path) if model.path else None),
         "versions": _versions(),
-        "machine": _machine(),
+        "machine": dict(_machine()),
         "job": json.loads(job_key(job, settings)),
     }
     if d.spec is not None and not d.spec.synthetic:
@@ -701,6 +701,7 @@ def merge_kernels(per_batch: list[dict]) -> dict[str, str]:
     return {op: ", ".join(sorted(v)) for op, v in sorted(ops.items())}
 
 
+@functools.lru_cache(maxsize=1)
 def _machine() -> dict:
     """What a record's timings were measured on: without it TTFT and time per token cannot
     be compared between records."""
@@ -943,7 +944,7 @@ def _main(argv: list[str]) -> int:
                                model.text_format.chat_template is None):
         raise UsageError(f"--chat-template: model {args.model} has no chat template (an HF "
                          "tokenizer_config.json 'chat_template' or chat_template.jinja)")
-    jobs = plan(args, model, bases, specs)
+    # a resume of another sweep is refused before the prompts are built and checked
     settings = _settings(args, model, extra)
     other = {_weights(r) for r in out.records} - {settings["weights"]}
     if other:
@@ -951,6 +952,7 @@ def _main(argv: list[str]) -> int:
                          f"{sorted(other, key=str)} than {args.model}'s {settings['weights']}: "
                          "resume into another --output, or --overwrite")
     _check_resume(out, args, settings)
+    jobs = plan(args, model, bases, specs)
     done = out.done()
     todo = [j for j in jobs if job_key(j, settings) not in done]
     if args.resume:

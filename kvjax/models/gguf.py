@@ -190,11 +190,13 @@ def unpermute(w_OI: np.ndarray, heads: int) -> np.ndarray:
     return w_OI.reshape(heads, dim, 2, *w_OI.shape[1:]).swapaxes(2, 1).reshape(w_OI.shape)
 
 
-def load(path: str | Path, dtype=jnp.float32, shardings=None) -> tuple[ModelConfig, Params]:
+def load(path: str | Path, dtype=jnp.float32, shardings=None, r=None
+         ) -> tuple[ModelConfig, Params]:
     """(config, params) of a GGUF file: every tensor the config implies must be there with
-    the shape it implies, and no other (but `rope_freqs`)."""
+    the shape it implies, and no other (but `rope_freqs`). `r`: the file's `reader`, when
+    the caller has one (parsing the metadata of a 49k-token vocabulary takes seconds)."""
     path = Path(path)
-    r = reader(path)
+    r = reader(path) if r is None else r
     cfg = config(r, path)
     by_name = {t.name: t for t in r.tensors}
     if "rope_freqs.weight" in by_name:
