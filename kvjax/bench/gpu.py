@@ -3,18 +3,23 @@
     PYTHONPATH=. python3 -m kvjax.bench.gpu                  # one GPU, <= 9 minutes
     python -m kvjax.bench.gpu --small --out /tmp/gpu.md      # the same steps, tiny (CPU)
 
-Steps, each stopped when the time budget (`--budget-s`) is spent, the rest listed as not
-run:
-1. the fast tests on this backend (`pytest -m "not slow"` over `--tests`);
-2. every registered method on a Llama-3.1-8B-shaped model (hidden 4096, 32/8 heads, head
-   dim 128, vocab 128256, `--layers` of its 32 layers, random bf16 weights) at each
-   `--contexts`, with the default kernels and with `--kernels xla`: runs or fails, TTFT,
-   time per output token, peak device memory;
-3. `python -m kvjax.bench.kernels` (each kernel op against its xla reference);
-4. prefill MFU and decode against the memory roofline for the full cache on the whole
-   32-layer shape: MFU = prefill FLOPs / TTFT / the bf16 matmul rate measured in this
-   run; the bound = (weight bytes + live KV bytes) / the copy bandwidth measured in this
-   run.
+Steps (`--steps`), in this order, each given the time budget (`--budget-s`) less what the
+later steps keep (`RESERVE_S`); what does not fit is listed as not run:
+- methods: every registered method on a Llama-3.1-8B-shaped model (hidden 4096, 32/8
+  heads, head dim 128, vocab 128256, `--layers` of its 32 layers, random bf16 weights) at
+  each `--contexts` with the default kernels: runs or fails, TTFT and its ratio to full,
+  time per output token against (weights + live KV) / bandwidth, process peak memory;
+- roofline: full-cache prefill MFU and decode against the memory roofline on the whole
+  32-layer shape, batch 1 at each context and batch 8 at the smallest: MFU = prefill
+  FLOPs / TTFT / the bf16 matmul rate measured in this run; the bound = (weight bytes +
+  live KV bytes) / the copy bandwidth measured in this run;
+- profile: device time per op (jax.profiler) of a full-cache prefill and decode step at
+  the largest context; the Perfetto traces land beside `--out`;
+- kernels: `python -m kvjax.bench.kernels` (each kernel op against its xla reference);
+- xla: `--xla-methods` again with every kernel xla (the comparison);
+- tests: the fast tests on this backend (`pytest -m "not slow"` over `--tests`).
+`--append` adds a run's rows to the `--out` file's, for a second run that finishes or
+re-checks what the first could not.
 """
 
 from __future__ import annotations
@@ -109,7 +114,7 @@ def random_head_scores(cfg, path: Path) -> str:
     return str(path)
 
 
-def run_methods(model, names, contexts, kernels_choices, deadline, new_tokens):
+def run_methods(model, names, contexts, kernels_choices, deadline, new_tokens, bytes_s):
     import tempfile
 
     import kvjax
@@ -117,6 +122,7 @@ def run_methods(model, names, contexts, kernels_choices, deadline, new_tokens):
     from kvjax.pallas import Kernels
 
     rows, rng = [], np.random.default_rng(0)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
     scores = random_head_scores(model.cfg, Path(tempfile.mkdtemp()) / "head_scores.json")
     for n in contexts:
         ids = [int(x) for x in rng.integers(3, model.cfg.vocab_size - 1, n)]
@@ -135,7 +141,9 @@ def run_methods(model, names, contexts, kernels_choices, deadline, new_tokens):
                                        kernels=Kernels.every(kind))
                     row.update(status="ok", wall_s=time.perf_counter() - t0,
                                ttft_s=r.stats["ttft_s"], tpot_s=r.stats["tpot_s"],
-                               compile_s=r.stats["compile_s"], kernels_used=r.stats["kernels"])
+                               compile_s=r.stats["compile_s"], kernels_used=r.stats["kernels"],
+                               roofline=(weight_bytes + r.stats["kv_bytes_live"]) / bytes_s
+                               / r.stats["tpot_s"])
                 except Exception as e:  # a failure is a result here: it is reported
                     row.update(status=f"FAILED: {type(e).__name__}: {str(e)[:200]}")
                 row["peak_gb"] = peak_gb()
@@ -144,31 +152,80 @@ def run_methods(model, names, contexts, kernels_choices, deadline, new_tokens):
     return rows
 
 
-def roofline(cfg_full, contexts, deadline, small, rates):
-    """Full-cache prefill MFU and decode time vs the (weights + KV) / bandwidth bound."""
+def roofline(model, cases, deadline, rates):
+    """Full-cache prefill MFU and decode time vs the (weights + KV) / bandwidth bound, for
+    each (context, batch) in `cases`."""
     import kvjax
     from kvjax.methods.slim.blocks import layer_flops
 
-    flops_s, bytes_s = rates
-    model = random_model(cfg_full, jnp.bfloat16)
+    cfg, (flops_s, bytes_s) = model.cfg, rates
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
     rows, rng = [], np.random.default_rng(1)
-    for n in contexts:
+    for n, batch in cases:
         if time.perf_counter() > deadline:
-            rows.append(dict(context=n, status="not run (time budget)"))
+            rows.append(dict(context=n, batch=batch, status="not run (time budget)"))
             continue
-        ids = [int(x) for x in rng.integers(3, cfg_full.vocab_size - 1, n)]
+        ids = [[int(x) for x in rng.integers(3, cfg.vocab_size - 1, n)] for _ in range(batch)]
         try:
-            r = kvjax.generate(model, ids, max_new_tokens=16)
-            flops = cfg_full.num_layers * layer_flops(cfg_full, n, (n + 1) / 2)
+            r = kvjax.generate(model, ids if batch > 1 else ids[0], max_new_tokens=16)
+            flops = batch * cfg.num_layers * layer_flops(cfg, n, (n + 1) / 2)
             bound = (weight_bytes + r.stats["kv_bytes_live"]) / bytes_s
-            rows.append(dict(context=n, status="ok", ttft_s=r.stats["ttft_s"],
+            rows.append(dict(context=n, batch=batch, status="ok", ttft_s=r.stats["ttft_s"],
                              mfu=flops / r.stats["ttft_s"] / flops_s,
                              tpot_s=r.stats["tpot_s"], bound_s=bound,
                              roofline=bound / r.stats["tpot_s"]))
         except Exception as e:
-            rows.append(dict(context=n, status=f"FAILED: {type(e).__name__}: {str(e)[:200]}"))
+            rows.append(dict(context=n, batch=batch,
+                             status=f"FAILED: {type(e).__name__}: {str(e)[:200]}"))
     return rows
+
+
+def profile(model, n: int, out_dir: Path) -> str:
+    """Device time per op for the full cache at `n` tokens: a prefill (1 new token) and a
+    prefill + 32 tokens, each traced with `jax.profiler` (Perfetto JSON under `out_dir`);
+    the decode column is the difference of the two."""
+    import collections
+    import gzip
+    import shutil
+    import tempfile
+
+    import kvjax
+
+    ids = [int(x) for x in np.random.default_rng(3).integers(3, model.cfg.vocab_size - 1, n)]
+    kvjax.generate(model, ids, max_new_tokens=32)  # compiles outside the traces
+    totals = {}
+    for label, new in (("prefill", 1), ("gen32", 32)):
+        d = Path(tempfile.mkdtemp()) / label
+        with jax.profiler.trace(str(d), create_perfetto_trace=True):
+            kvjax.generate(model, ids, max_new_tokens=new)
+        f = next(d.rglob("perfetto_trace.json.gz"))
+        if f.stat().st_size < 15 * 2**20:
+            shutil.copy(f, out_dir / f"trace_{label}.json.gz")
+        ev = json.load(gzip.open(f))
+        ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+        procs = {e["pid"]: e["args"]["name"] for e in ev
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+        threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev
+                   if e.get("ph") == "M" and e.get("name") == "thread_name"}
+        ops, streams = collections.Counter(), collections.Counter()
+        for e in ev:
+            if e.get("ph") == "X" and "/device:" in procs.get(e.get("pid"), ""):
+                line = threads.get((e["pid"], e.get("tid")), "")
+                # "XLA Ops" holds each HLO op once; the stream lines hold the same kernels
+                # again, so one of the two is counted (ops where the trace has them)
+                for key, c in (("XLA Ops", ops), ("Stream", streams)):
+                    if key in line:
+                        c[e["name"][:70]] += e.get("dur", 0) / 1e3
+        totals[label] = ops or streams
+        if not totals[label]:
+            return f"no device events in the trace (processes: {sorted(set(procs.values()))})"
+    pre, gen = totals["prefill"], totals["gen32"]
+    lines = [f"{'op':70} {'prefill ms':>11} {'decode ms/tok':>14}"]
+    for name, _ in (pre + gen).most_common(25):
+        lines.append(f"{name:70} {pre[name]:11.2f} {(gen[name] - pre[name]) / 31:14.3f}")
+    lines.append(f"{'total':70} {sum(pre.values()):11.2f} "
+                 f"{(sum(gen.values()) - sum(pre.values())) / 31:14.3f}")
+    return "\n".join(lines)
 
 
 def run_tests(tests: str, deadline: float) -> str:
@@ -209,31 +266,49 @@ def commit() -> str:
         return os.environ.get("KVJAX_COMMIT", "unknown")
 
 
-def report(env, tests, rows, kernels_out, roof) -> str:
+def report(runs, rows, roof) -> str:
+    """gpu.md from one or more runs (`--append`): each run's environment, then the tables."""
     fmt = lambda x, f="{:.3f}": "-" if x is None else f.format(x)  # noqa: E731
-    lines = ["# kvjax on a GPU", "",
-             f"Device {env['device']}, jax {env['jax']}, backend {env['backend']}, commit "
-             f"{env['commit']}, {env['date']}; `{env['command']}`. Denominators measured in "
-             f"this run: bf16 matmul {env['tflops']:.3g} TFLOP/s, copy "
-             f"{env['tbs']:.3g} TB/s.", "", f"Fast tests: {tests}", "",
-             "## Every method (random weights)", "",
-             "| context | kernels | method | status | TTFT s | ms/token | peak GB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["# kvjax on a GPU", "", "Written by `python -m kvjax.bench.gpu`. Random weights of "
+             "real shapes; TTFT and ms/token exclude compilation (`compile_s` in gpu.json). "
+             "% of bound = (weight bytes + live KV bytes) / the copy bandwidth measured in the "
+             "same run, over the measured time per token.", ""]
+    for i, env in enumerate(runs, 1):
+        lines += [f"Run {i}: {env['device']}, jax {env['jax']}, backend {env['backend']}, "
+                  f"commit {env['commit']}, {env['date']}; `{env['command']}`. Denominators "
+                  f"measured in this run: bf16 matmul {env['tflops']:.3g} TFLOP/s, copy "
+                  f"{env['tbs']:.3g} TB/s. Fast tests: {env['tests']}", ""]
+    full = {(r["run"], r["context"], r["kernels"]): r.get("ttft_s") for r in rows
+            if r["method"] == "full"}
+    lines += ["## Every method (random weights, `--layers` of the 8B shape)", "",
+              "| run | context | kernels | method | status | TTFT s | TTFT / full | ms/token | "
+              "% of bound | process peak GB so far |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['context']} | {r['kernels']} | {r['method']} | {r['status']} | "
-                     f"{fmt(r.get('ttft_s'))} | {fmt((r.get('tpot_s') or 0) * 1e3, '{:.2f}')} | "
-                     f"{fmt(r.get('peak_gb'), '{:.1f}')} |")
-    lines += ["", "## Kernels", "", "```", kernels_out.strip(), "```", "",
-              "## Roofline (full cache, 32-layer shape)", "",
-              "| context | status | TTFT s | MFU | ms/token | bound ms/token | % of bound |",
-              "|---|---|---|---|---|---|---|"]
+        f = full.get((r["run"], r["context"], r["kernels"]))
+        ratio = r["ttft_s"] / f if f and r.get("ttft_s") else None
+        lines.append(f"| {r['run']} | {r['context']} | {r['kernels']} | {r['method']} | "
+                     f"{r['status']} | {fmt(r.get('ttft_s'))} | {fmt(ratio, '{:.2f}x')} | "
+                     f"{fmt(r.get('tpot_s') and r['tpot_s'] * 1e3, '{:.2f}')} | "
+                     f"{fmt(r.get('roofline'), '{:.0%}')} | {fmt(r.get('peak_gb'), '{:.1f}')} |")
+    lines += ["", "## Roofline (full cache, 32-layer shape)", "",
+              "| run | context | batch | status | TTFT s | MFU | ms/token | bound ms/token | "
+              "% of bound |", "|---|---|---|---|---|---|---|---|---|"]
     for r in roof:
-        lines.append(f"| {r['context']} | {r['status']} | {fmt(r.get('ttft_s'))} | "
-                     f"{fmt(r.get('mfu'), '{:.1%}')} | "
-                     f"{fmt((r.get('tpot_s') or 0) * 1e3, '{:.2f}')} | "
-                     f"{fmt((r.get('bound_s') or 0) * 1e3, '{:.2f}')} | "
+        lines.append(f"| {r['run']} | {r['context']} | {r.get('batch', 1)} | {r['status']} | "
+                     f"{fmt(r.get('ttft_s'))} | {fmt(r.get('mfu'), '{:.1%}')} | "
+                     f"{fmt(r.get('tpot_s') and r['tpot_s'] * 1e3, '{:.2f}')} | "
+                     f"{fmt(r.get('bound_s') and r['bound_s'] * 1e3, '{:.2f}')} | "
                      f"{fmt(r.get('roofline'), '{:.0%}')} |")
+    for i, env in enumerate(runs, 1):
+        for key, title in (("kernels", "Kernels"), ("profile", "Profile")):
+            if env.get(key):
+                lines += ["", f"## {title} (run {i})", "", "```", env[key].strip(), "```"]
     return "\n".join(lines) + "\n"
+
+
+STEPS = ("methods", "roofline", "profile", "kernels", "xla", "tests")
+# seconds kept for each later step while an earlier one runs (what each took on an H100)
+RESERVE_S = dict(methods=0, roofline=120, profile=60, kernels=40, xla=60, tests=45)
 
 
 def main(argv=None) -> int:
@@ -244,36 +319,71 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4, help="layers of the every-method model")
     p.add_argument("--contexts", default=None, help="comma list (default 8192,32768)")
     p.add_argument("--methods", default=None, help="comma list (default: every method)")
+    p.add_argument("--xla-methods", default="full,snapkv,h2o,tova,d2o",
+                   help="methods also run with --kernels xla (the comparison)")
+    p.add_argument("--steps", default=",".join(STEPS),
+                   help=f"comma list of steps, in this order: {','.join(STEPS)}")
     p.add_argument("--tests", default="tests/test_pallas.py,tests/test_engine.py,"
                    "tests/test_prompt_attention.py")
-    p.add_argument("--no-tests", action="store_true")
+    p.add_argument("--append", action="store_true",
+                   help="add this run's rows to those in the --out file's gpu.json")
     p.add_argument("--out", type=Path, default=ROOT / "docs/results/gpu.md")
     a = p.parse_args(argv)
-    from kvjax import methods
+    from kvjax import engine, methods
 
+    steps = a.steps.split(",")
+    if bad := [s for s in steps if s not in STEPS]:
+        p.error(f"--steps: unknown {bad}; allowed: {','.join(STEPS)}")
     start = time.perf_counter()
     deadline = start + a.budget_s
     contexts = [int(x) for x in (a.contexts or ("512,1024" if a.small else "8192,32768"))
                 .split(",")]
     names = a.methods.split(",") if a.methods else methods.names()
     rates = measured_rates(a.small)
+    old = json.loads(a.out.with_suffix(".json").read_text()) if a.append else {}
+    runs, rows, roof = old.get("runs", []), old.get("rows", []), old.get("roofline", [])
+    run = len(runs) + 1
     env = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                backend=jax.default_backend(), commit=commit(),
                date=time.strftime("%Y-%m-%d"), command="python -m kvjax.bench.gpu "
                + " ".join(argv if argv is not None else sys.argv[1:]),
-               tflops=rates[0] / 1e12, tbs=rates[1] / 1e12)
-    tests = "not run (--no-tests)" if a.no_tests else run_tests(a.tests, deadline)
-    cfg = shape_8b(a.layers, a.small, max(contexts) + 64)
-    rows = run_methods(random_model(cfg, jnp.bfloat16), names, contexts, ("auto", "xla"),
-                       deadline - 0.25 * a.budget_s, 8)
-    kernels_out = kernel_bench(a.small, contexts)
-    roof = roofline(shape_8b(4 if a.small else 32, a.small, max(contexts) + 64), contexts,
-                    deadline, a.small, rates)
+               tflops=rates[0] / 1e12, tbs=rates[1] / 1e12, tests="not run")
+    runs.append(env)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(report(env, tests, rows, kernels_out, roof))
-    a.out.with_suffix(".json").write_text(json.dumps(dict(env=env, tests=tests, rows=rows,
-                                                          roofline=roof), indent=1,
-                                                     default=str))
+
+    def save():  # after every step: a run stopped at its limit keeps what it measured
+        a.out.write_text(report(runs, rows, roof))
+        a.out.with_suffix(".json").write_text(json.dumps(
+            dict(runs=runs, rows=rows, roofline=roof), indent=1, default=str))
+
+    big = shape_8b(4 if a.small else 32, a.small, max(contexts) + 64)
+    for i, step in enumerate(steps):
+        until = deadline - sum(RESERVE_S[s] for s in steps[i + 1:])
+        print(f"[{time.perf_counter() - start:5.0f} s] {step}", file=sys.stderr, flush=True)
+        if step in ("roofline", "profile"):
+            model = random_model(big, jnp.bfloat16)
+            if step == "roofline":
+                cases = [(n, 1) for n in contexts] + [(min(contexts), 8)]
+                roof += [dict(r, run=run) for r in roofline(model, cases, until, rates)]
+            elif time.perf_counter() < until - 30:
+                try:
+                    env["profile"] = profile(model, max(contexts), a.out.parent)
+                except Exception:
+                    env["profile"] = traceback.format_exc(limit=4)
+            del model
+            engine.clear_compiled()
+        elif step in ("methods", "xla"):
+            model = random_model(shape_8b(a.layers, a.small, max(contexts) + 64), jnp.bfloat16)
+            which = (names, "auto") if step == "methods" else (a.xla_methods.split(","), "xla")
+            rows += [dict(r, run=run) for r in run_methods(
+                model, which[0], contexts, (which[1],), until, 8, rates[1])]
+            del model
+        elif step == "kernels" and time.perf_counter() < until - 20:
+            env["kernels"] = kernel_bench(a.small, contexts)
+        elif step == "tests":
+            env["tests"] = run_tests(a.tests, deadline)
+        save()
+    save()
     print(f"wrote {a.out} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
 
