@@ -256,6 +256,10 @@ def kernel_bench(small: bool, contexts) -> str:
 
 
 def commit() -> str:
+    """The commit measured: $KVJAX_COMMIT where set (a device copy's .git can be older
+    than its working tree), else git's."""
+    if os.environ.get("KVJAX_COMMIT"):
+        return os.environ["KVJAX_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                              capture_output=True, text=True).stdout.strip()
@@ -263,7 +267,7 @@ def commit() -> str:
                                cwd=ROOT, capture_output=True, text=True).stdout.strip()
         return (out or "unknown") + (" (uncommitted changes)" if dirty else "")
     except OSError:
-        return os.environ.get("KVJAX_COMMIT", "unknown")
+        return "unknown"
 
 
 def report(runs, rows, roof) -> str:
@@ -325,6 +329,10 @@ def main(argv=None) -> int:
                    help=f"comma list of steps, in this order: {','.join(STEPS)}")
     p.add_argument("--tests", default="tests/test_pallas.py,tests/test_engine.py,"
                    "tests/test_prompt_attention.py")
+    p.add_argument("--roofline-layers", type=int, default=32,
+                   help="layers of the roofline and profile model (the 8B shape has 32)")
+    p.add_argument("--roofline-cases", default=None,
+                   help="CONTEXTxBATCH comma list (default: each context x1, the smallest x8)")
     p.add_argument("--append", action="store_true",
                    help="add this run's rows to those in the --out file's gpu.json")
     p.add_argument("--out", type=Path, default=ROOT / "docs/results/gpu.md")
@@ -356,14 +364,15 @@ def main(argv=None) -> int:
         a.out.with_suffix(".json").write_text(json.dumps(
             dict(runs=runs, rows=rows, roofline=roof), indent=1, default=str))
 
-    big = shape_8b(4 if a.small else 32, a.small, max(contexts) + 64)
+    big = shape_8b(a.roofline_layers, a.small, max(contexts) + 64)
+    cases = ([tuple(int(v) for v in c.split("x")) for c in a.roofline_cases.split(",")]
+             if a.roofline_cases else [(n, 1) for n in contexts] + [(min(contexts), 8)])
     for i, step in enumerate(steps):
         until = deadline - sum(RESERVE_S[s] for s in steps[i + 1:])
         print(f"[{time.perf_counter() - start:5.0f} s] {step}", file=sys.stderr, flush=True)
         if step in ("roofline", "profile"):
             model = random_model(big, jnp.bfloat16)
             if step == "roofline":
-                cases = [(n, 1) for n in contexts] + [(min(contexts), 8)]
                 roof += [dict(r, run=run) for r in roofline(model, cases, until, rates)]
             elif time.perf_counter() < until - 30:
                 try:
