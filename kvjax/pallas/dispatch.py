@@ -29,9 +29,10 @@ OPS = ("window_scores", "compact", "decode_attention", "value_norms")
 # xla implementation (it materialises the scores: small prompts and tests)
 PREFILL_ATTENTION = ("auto", "xla", "cudnn", "fused_xla")
 # (backend, op) pairs whose Pallas kernel was measured faster than the xla reference on that
-# kind of device: `auto` picks Pallas only there (docs/results/kernels.md; H100, 2026-11-25:
-# window_scores 1.1-1.2x, value_norms 21-26x; decode_attention 0.56x at 32k, compact failed
-# to lower). TPU kernels are unmeasured: `auto` keeps xla there until they are.
+# kind of device: `auto` picks Pallas only there (docs/results/gpu.md; H100, jax 0.11.2,
+# 2026-11-26, 8k and 32k: window_scores 1.10-1.21x, value_norms 6.5-9.0x; decode_attention
+# 0.64-0.68x; compact 1.06x at 8k but 0.69x at 32k). TPU kernels are unmeasured: `auto`
+# keeps xla there until they are.
 MEASURED_FASTER = {("gpu", "window_scores"), ("gpu", "value_norms")}
 
 
