@@ -27,6 +27,40 @@ def length_scale(n: int) -> int:
     return n // step * step
 
 
+def water_fill(w_L: Float[Array, "L"], lo_L, hi_L, total) -> Float[Array, "L"]:
+    """Real sizes x_l = clip(c w_l, lo_l, hi_l) summing to `total` (what a capped layer
+    cannot hold goes to the others in proportion to their weights): D2O's layer sizes
+    (Eq. 5 within the bounds) and LAVa's refilled layer budgets. sum_l clip(c w_l) is
+    piecewise linear in c with kinks at lo / w and hi / w, so c is found exactly on the
+    segment where the total lies. A total outside [sum lo, sum hi] puts every layer on the
+    bound it crosses; a layer of weight 0 gets its `lo` unless the others are all at `hi`
+    (give it hi = 0 to keep it at 0)."""
+    L = w_L.shape[0]
+    w = jnp.maximum(w_L.astype(jnp.float32), 1e-30)
+    lo, hi = (jnp.broadcast_to(jnp.asarray(x, jnp.float32), (L,)) for x in (lo_L, hi_L))
+    t = jnp.asarray(total, jnp.float32)
+    kinks = jnp.sort(jnp.concatenate([lo / w, hi / w]))  # [2L]
+    f = jnp.sum(jnp.clip(kinks[:, None] * w[None], lo, hi), axis=1)  # nondecreasing
+    i = jnp.clip(jnp.searchsorted(f, t), 1, 2 * L - 1)  # the first kink with f >= t
+    c0, c1, f0, f1 = kinks[i - 1], kinks[i], f[i - 1], f[i]
+    c = jnp.clip(c0 + (t - f0) * (c1 - c0) / jnp.maximum(f1 - f0, 1e-30), kinks[0], kinks[-1])
+    return jnp.clip(c * w, lo, hi)
+
+
+def largest_remainder(x_L: Float[Array, "L"], hi_L, target) -> Int[Array, "L"]:
+    """Integer sizes from real ones: the floors, plus one for the `target - sum floors`
+    largest fractional parts among the layers below their `hi` (the lower layer first on
+    ties), as many as there are such layers."""
+    L = x_L.shape[0]
+    fl = jnp.floor(x_L)
+    s = fl.astype(jnp.int32)
+    room = x_L < jnp.broadcast_to(jnp.asarray(hi_L, x_L.dtype), (L,))
+    d = jnp.clip(jnp.asarray(target, jnp.int32) - jnp.sum(s), 0, jnp.sum(room))
+    order = jnp.argsort(-jnp.where(room, x_L - fl, -1.0), stable=True)
+    rank = jnp.zeros(L, jnp.int32).at[order].set(jnp.arange(L, dtype=jnp.int32))
+    return s + (rank < d)
+
+
 def uniform(budget: int, num_layers: int) -> np.ndarray:
     """[L] the same budget for every layer."""
     return np.full((num_layers,), budget, np.int32)

@@ -95,7 +95,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.compress import scoring, selection
+from kvjax.compress import budgets, scoring, selection
 from kvjax.compress.eviction import DecodeEviction, query_sum
 from kvjax.compress.layer import LayerIO, LayerKV, Rows
 from kvjax.config import ModelConfig
@@ -111,29 +111,9 @@ EVICT_AT = ("prefill", "first_step")
 
 
 def waterfill(a_L, lo, hi, target):
-    """Integer sizes s [L] in [lo, hi] summing to `target`, proportional to a [L] where the
-    bounds allow: x_l = clip(c * a_l, lo, hi) with the c that makes sum x_l = target (a
-    capped layer's excess goes to the uncapped ones in proportion to their a_l), then the
-    floors plus one for the `target - sum floors` largest fractional parts (the lower layer
-    first on ties). sum_l clip(c a_l) is piecewise linear in c with kinks at lo / a_l and
-    hi / a_l, so c is found exactly on the kink between which the target lies. A target
-    outside [L lo, L hi] puts every layer on the bound it crosses."""
-    L = a_L.shape[0]
-    a = jnp.maximum(a_L.astype(jnp.float32), 1e-30)
-    lo_f, hi_f, t = (jnp.asarray(x, jnp.float32) for x in (lo, hi, target))
-    kinks = jnp.sort(jnp.concatenate([lo_f / a, hi_f / a]))  # [2L]
-    f = jnp.sum(jnp.clip(kinks[:, None] * a[None], lo_f, hi_f), axis=1)  # nondecreasing
-    i = jnp.clip(jnp.searchsorted(f, t), 1, 2 * L - 1)  # the first kink with f >= t
-    c0, c1, f0, f1 = kinks[i - 1], kinks[i], f[i - 1], f[i]
-    c = jnp.clip(c0 + (t - f0) * (c1 - c0) / jnp.maximum(f1 - f0, 1e-30), kinks[0], kinks[-1])
-    x = jnp.clip(c * a, lo_f, hi_f)
-    fl = jnp.floor(x)
-    s = fl.astype(jnp.int32)
-    room = s < jnp.asarray(hi, jnp.int32)
-    d = jnp.clip(jnp.asarray(target, jnp.int32) - jnp.sum(s), 0, jnp.sum(room))
-    order = jnp.argsort(-jnp.where(room, x - fl, -1.0), stable=True)
-    rank = jnp.zeros(L, jnp.int32).at[order].set(jnp.arange(L, dtype=jnp.int32))
-    return s + (rank < d)
+    """Integer layer sizes s [L] in [lo, hi] summing to `target`, proportional to a [L]
+    where the bounds allow (`budgets.water_fill`), rounded by largest remainder."""
+    return budgets.largest_remainder(budgets.water_fill(a_L, lo, hi, target), hi, target)
 
 
 @register

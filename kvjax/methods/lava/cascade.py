@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.compress import selection
+from kvjax.compress import budgets, selection
 from kvjax.compress.eviction import Chooser, HeadBudgets, PrefillEviction, real_length
 from kvjax.compress.heads import Heads
 from kvjax.compress.heads import flat_rank as split_flat_rank
@@ -72,34 +72,6 @@ FLOORS = ("constant", "layer")
 _BIG = jnp.iinfo(jnp.int32).max
 
 
-def water_fill(w_LB: Float[Array, "L B"], active_L: Bool[Array, "L"], total_B: Int[Array, "B"],
-               cap_B: Int[Array, "B"]) -> tuple[Float[Array, "L B"], Bool[Array, "L B"]]:
-    """Real-valued budgets `min(cap, lam * w)` of the active layers, summing to `total`
-    (every active layer at its cap when the caps sum to less), and which layers are at
-    their cap. A layer of weight 0 gets 0. Iterates: the level of the unsaturated layers,
-    then the layers it saturates; the saturated set only grows (removing a saturated
-    layer's cap and weight raises the level), so L rounds reach the fixed point."""
-    L = w_LB.shape[0]
-    act = active_L[:, None]
-    w = jnp.where(act, jnp.maximum(w_LB, 0.0), 0.0)
-    cap = jnp.broadcast_to(cap_B[None, :].astype(jnp.float32), w.shape)
-    tot = total_B[None, :].astype(jnp.float32)
-
-    def fill(sat):
-        """The unsaturated layers' budgets `w / free * left` (as `w / sum w * total` when
-        none is saturated, the uncapped arithmetic)."""
-        free = jnp.sum(jnp.where(sat, 0.0, w), axis=0, keepdims=True)
-        left = tot - jnp.sum(jnp.where(sat, cap, 0.0), axis=0, keepdims=True)
-        return jnp.where(free > 0, w / jnp.where(free > 0, free, 1.0) * left, 0.0)
-
-    def body(_, sat):
-        return sat | (act & (w > 0) & (fill(sat) >= cap))
-
-    sat = jax.lax.fori_loop(0, L, body, jnp.zeros(w.shape, bool))
-    x = jnp.where(sat, cap, jnp.minimum(fill(sat), cap))
-    return jnp.where(act, x, 0.0), sat & act
-
-
 def allocate(weights_LB: Float[Array, "L B"], active_L: Bool[Array, "L"], total_B: Int[Array, "B"],
              cap_B: Int[Array, "B"], final, excess: str = "refill", rounding: str = "remainder",
              K: int = 1) -> Int[Array, "L B"]:
@@ -107,7 +79,7 @@ def allocate(weights_LB: Float[Array, "L B"], active_L: Bool[Array, "L"], total_
 
     Shares: `total * w_l / sum_active w` (all weights zero: uniform over the active
     layers); `excess="refill"` water-fills what exceeds a layer's cap onto the others
-    (`water_fill`), `"drop"` cuts it. Rounding: `"remainder"`: largest remainder where
+    (`budgets.water_fill`), `"drop"` cuts it. Rounding: `"remainder"`: largest remainder where
     `final` (a traced bool is fine), ceilings otherwise; `"head_floor"`: `K * floor(x / K)`
     at every step (the authors' LAVa code)."""
     b = allocate_uncapped(weights_LB, active_L, total_B, cap_B, final, excess, rounding, K)
@@ -128,21 +100,19 @@ def allocate_uncapped(weights_LB, active_L, total_B, cap_B, final, excess: str =
     w = jnp.where(jnp.sum(w, axis=0, keepdims=True) > 0, w, act.astype(jnp.float32))
     cap = cap_B[None, :]
     if excess == "refill":
-        x, sat = water_fill(w, active_L, total_B, cap_B)
+        # min(cap, lam w) summing to the total: a layer of weight 0 (or inactive) holds 0
+        hi = jnp.where(act & (w > 0), cap, 0)
+        x = jax.vmap(budgets.water_fill, in_axes=(1, None, 1, 0), out_axes=1)(
+            w, 0.0, hi, total_B)
         target = jnp.minimum(total_B, jnp.sum(jnp.where(act, cap, 0), axis=0))
     else:
         x = w / jnp.sum(w, axis=0, keepdims=True) * total_B[None, :].astype(jnp.float32)
-        sat = jnp.zeros(x.shape, bool)
+        hi = jnp.broadcast_to(jnp.where(act, jnp.inf, 0.0), x.shape)  # no cap but inactive
         target = total_B
     if rounding == "head_floor":
         b = K * jnp.floor(x / K).astype(jnp.int32)
     else:
-        base = jnp.floor(x)
-        rem = target - jnp.sum(jnp.where(act, base, 0), axis=0).astype(jnp.int32)  # [B]
-        frac = jnp.where(act & ~sat, x - base, -1.0)
-        order = jnp.argsort(-frac, axis=0, stable=True)
-        rank = jnp.argsort(order, axis=0, stable=True)
-        lr = base.astype(jnp.int32) + ((rank < rem[None, :]) & (frac >= 0)).astype(jnp.int32)
+        lr = jax.vmap(budgets.largest_remainder, in_axes=(1, 1, 0), out_axes=1)(x, hi, target)
         b = jnp.where(final, lr, jnp.ceil(x).astype(jnp.int32))
     if excess == "refill":
         b = jnp.minimum(b, cap)  # float safety: a water-filled budget is at most its cap
