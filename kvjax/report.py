@@ -30,17 +30,9 @@ def _records(path: Path) -> list[dict]:
         data = None  # several lines: JSON lines
     if isinstance(data, dict) and "records" in data:
         return data["records"]
-    recs = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                recs.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i} is not a JSON record: {e}") from None
-    if not all(isinstance(r, dict) for r in recs):
-        raise ValueError(f"{path} holds neither {{\"records\": [...]}} nor one JSON record "
-                         "per line")
-    return recs
+    from kvjax.tasks.loaders import read_jsonl
+
+    return [r for _, r in read_jsonl(path)]
 
 
 def is_complete(path: str | Path) -> bool:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: decode variants (A/B on a 4-layer 8B-shaped model at 32k), the decode
-# HLO, then the rest of the GPU check appended to docs/results/gpu.json's earlier run.
+# HLO, then the rest of the GPU check appended to docs/results/gpu.jsonl's earlier run.
 # Usage on the device: KVJAX_COMMIT=<sha> bash scripts/gpu_check.sh   (writes under $OUT)
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=.
 G="python3 -m kvjax.bench.gpu"; N=32768
@@ -21,6 +21,6 @@ variant unroll KVJAX_UNROLL_DECODE=1
 } 2>&1 | tee $OUT/variants.txt
 f=$(ls -S /tmp/hlo/*jit_decode*after_optimizations.txt 2>/dev/null | head -1)
 [ -n "$f" ] && gzip -c "$f" > $OUT/decode_hlo.txt.gz
-cp docs/results/gpu.json docs/results/gpu.md $OUT/
+cp docs/results/gpu.jsonl docs/results/gpu.md $OUT/
 timeout 310 $G --append --out $OUT/gpu.md --contexts $N --steps methods,xla,tests \
   --budget-s 295 2>&1 | tee $OUT/log.txt

@@ -10,14 +10,23 @@ from kvjax.bench import gpu
 
 def test_small_check_writes_every_section(tmp_path):
     out = tmp_path / "gpu.md"
-    assert gpu.main(["--small", "--no-tests", "--methods", "snapkv,critical_headkv",
-                     "--contexts", "256", "--out", str(out)]) == 0
+    both = "snapkv,critical_headkv"
+    assert gpu.main(["--small", "--steps", "methods,roofline,kernels,xla", "--methods", both,
+                     "--xla-methods", both, "--contexts", "256", "--roofline-cases",
+                     "256x1", "--out", str(out)]) == 0
     text = out.read_text()
     for section in ("## Every method", "## Kernels", "## Roofline"):
         assert section in text, section
-    rows = [line for line in text.splitlines() if line.startswith("| 256 |")]
-    methods = {(r.split("|")[2].strip(), r.split("|")[3].strip()): r.split("|")[4].strip()
-               for r in rows if len(r.split("|")) > 5}
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+             if line.startswith("| 1 | 256 |")]
+    status = {(c[2], c[3]): c[4] for c in cells if len(c) == 10}
     for kind in ("auto", "xla"):
         for name in ("snapkv", "critical_headkv"):
-            assert methods.get((kind, name)) == "ok", (kind, name, methods)
+            assert status.get((kind, name)) == "ok", (kind, name, status)
+    assert any(len(c) == 9 and c[3] == "ok" for c in cells)  # the roofline row
+    # a second run appends its rows to the first's, each row naming its run
+    assert gpu.main(["--small", "--steps", "methods", "--methods", "snapkv", "--contexts",
+                     "256", "--append", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "Run 1:" in text and "Run 2:" in text
+    assert "| 2 | 256 | auto | snapkv | ok |" in text and "| 1 | 256 | auto | snapkv | ok |" in text

@@ -14,6 +14,7 @@ import pytest
 
 import kvjax
 from kvjax import run as cli
+from kvjax import run_records, run_sweep
 from kvjax.config import ModelConfig
 from kvjax.models import checkpoint
 from kvjax.train import export_model, init_params
@@ -135,7 +136,7 @@ def test_cli_drops_executables_between_methods(model_dir, tmp_path, monkeypatch)
 
 def test_output_json_is_strict():
     """ASL's relative variance is NaN at the layers it never scored: written as null."""
-    out = cli._finite({"rv": [float("nan"), 0.5, (float("inf"),)], "n": 3})
+    out = run_records._finite({"rv": [float("nan"), 0.5, (float("inf"),)], "n": 3})
     assert json.loads(json.dumps(out, allow_nan=False)) == {"rv": [None, 0.5, [None]], "n": 3}
 
 
@@ -467,11 +468,11 @@ def test_ratio_batches_follow_the_compressed_length():
     a, b = methods.create("snapkv").with_ratio(0.5, 100), methods.create("snapkv").with_ratio(
         0.5, 90)
     assert (a.budget, b.budget) == (50, 45)
-    assert cli._batches([a, b, a, a], 2) == [(a, [0, 2]), (a, [3]), (b, [1])]
+    assert run_sweep._batches([a, b, a, a], 2) == [(a, [0, 2]), (a, [3]), (b, [1])]
 
 
 def test_merge_kernels():
-    assert cli.merge_kernels([{"window_scores": "xla"}, {"window_scores": "pallas_tpu",
+    assert run_sweep.merge_kernels([{"window_scores": "xla"}, {"window_scores": "pallas_tpu",
                                                           "compact": "xla"}, {}]) == {
         "compact": "xla", "window_scores": "pallas_tpu, xla"}
 

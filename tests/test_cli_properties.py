@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from kvjax import report
 from kvjax import run as cli
+from kvjax import run_args, run_sweep
 
 from test_cli_api import model_dir  # noqa: F401 -- the tiny checkpoint fixture
 
@@ -79,12 +80,12 @@ def argvs(draw):
 def _expected_records(argv: list[str]) -> int:
     """Records a successful run of a fresh output holds: the product, a method without a
     budget once per task and context."""
-    a = cli.parse_args(argv)
+    a = run_args.parse_args(argv)
     points = len(a.budget or a.ratio or [None])
-    extra = cli.split_pairs(a.set)
+    extra = run_args.split_pairs(a.set)
     n = 0
     for name in a.method:
-        m = cli._configured(name, extra, a)
+        m = run_sweep._configured(name, extra, a)
         n += points if m.with_budget(1) != m.with_budget(2) else 1
     return n * len(a.task) * len(a.context)
 
@@ -115,7 +116,7 @@ def check_one(model: Path, argv: list[str], output: str) -> int:
             return rc
         recs = report.load_records(path)
         assert len(recs) == _expected_records(argv)
-        samples = cli.parse_args(argv).samples
+        samples = run_args.parse_args(argv).samples
         for r in recs:
             assert r["samples"] == samples and 0 <= r["accuracy"] <= 1
             assert r["kv_bytes_live"] <= r["kv_bytes_full"]

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvjax
-from kvjax import engine, methods, run
+from kvjax import engine, methods, run_args, run_sweep
 from kvjax.compress import budgets
 from kvjax.compress import selection as select
 from kvjax.compress.layer import LayerIO
@@ -319,6 +319,6 @@ def test_bad_inputs(params):
             engine.run(params, CFG, p, m, max_new_tokens=1)
     for bad in ("1", "1.5", "-0.2"):
         with pytest.raises(SystemExit):
-            run.parse_args(["--ratio", bad])
-    assert run.make_method("snapkv", None, 0.75, 2048, {}).budget == 512  # kvpress: n(1-r)
-    assert run.make_method("snapkv", 64, None, 2048, {}).budget == 64
+            run_args.parse_args(["--ratio", bad])
+    assert run_sweep.make_method("snapkv", None, 0.75, 2048, {}).budget == 512  # kvpress: n(1-r)
+    assert run_sweep.make_method("snapkv", 64, None, 2048, {}).budget == 64

@@ -65,7 +65,7 @@ def test_load_records_reads_json_and_json_lines(tmp_path):
     assert report.load_records(old) == recs == report.load_records(lines)
     assert report.load_records(one, old) == [recs[0], *recs]
     lines.write_text(json.dumps(recs[0]) + "\n{\"method\": \"sna\n")
-    with pytest.raises(ValueError, match=r"new\.jsonl:2 is not a JSON record"):
+    with pytest.raises(ValueError, match=r"new\.jsonl:2: not a JSON line"):
         report.load_records(lines)
 
 

@@ -274,7 +274,7 @@ def report(runs, rows, roof) -> str:
     """gpu.md from one or more runs (`--append`): each run's environment, then the tables."""
     fmt = lambda x, f="{:.3f}": "-" if x is None else f.format(x)  # noqa: E731
     lines = ["# kvjax on a GPU", "", "Written by `python -m kvjax.bench.gpu`. Random weights of "
-             "real shapes; TTFT and ms/token exclude compilation (`compile_s` in gpu.json). "
+             "real shapes; TTFT and ms/token exclude compilation (`compile_s` in gpu.jsonl). "
              "% of bound = (weight bytes + live KV bytes) / the copy bandwidth measured in the "
              "same run, over the measured time per token.", ""]
     for i, env in enumerate(runs, 1):
@@ -334,7 +334,7 @@ def main(argv=None) -> int:
     p.add_argument("--roofline-cases", default=None,
                    help="CONTEXTxBATCH comma list (default: each context x1, the smallest x8)")
     p.add_argument("--append", action="store_true",
-                   help="add this run's rows to those in the --out file's gpu.json")
+                   help="add this run's rows to those in the --out file's .jsonl")
     p.add_argument("--out", type=Path, default=ROOT / "docs/results/gpu.md")
     a = p.parse_args(argv)
     from kvjax import engine, methods
@@ -348,8 +348,11 @@ def main(argv=None) -> int:
                 .split(",")]
     names = a.methods.split(",") if a.methods else methods.names()
     rates = measured_rates(a.small)
-    old = json.loads(a.out.with_suffix(".json").read_text()) if a.append else {}
-    runs, rows, roof = old.get("runs", []), old.get("rows", []), old.get("roofline", [])
+    # the figures beside the page: JSON lines tagged run / row / roofline (not a records file)
+    data = a.out.with_suffix(".jsonl")
+    old = [json.loads(x) for x in data.read_text().splitlines()] if a.append else []
+    runs, rows, roof = ([{k: v for k, v in x.items() if k != "kind"} for x in old
+                         if x["kind"] == kind] for kind in ("run", "row", "roofline"))
     run = len(runs) + 1
     env = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                backend=jax.default_backend(), commit=commit(),
@@ -361,8 +364,9 @@ def main(argv=None) -> int:
 
     def save():  # after every step: a run stopped at its limit keeps what it measured
         a.out.write_text(report(runs, rows, roof))
-        a.out.with_suffix(".json").write_text(json.dumps(
-            dict(runs=runs, rows=rows, roofline=roof), indent=1, default=str))
+        data.write_text("".join(json.dumps({"kind": kind, **x}, default=str) + "\n"
+                                for kind, xs in (("run", runs), ("row", rows),
+                                                 ("roofline", roof)) for x in xs))
 
     big = shape_8b(a.roofline_layers, a.small, max(contexts) + 64)
     cases = ([tuple(int(v) for v in c.split("x")) for c in a.roofline_cases.split(",")]

@@ -40,7 +40,7 @@ _RULER_MAXLEN = (("niah", 128), ("vt", 30), ("variable_tracking", 30), ("cwe", 1
                  ("common_words", 120), ("fwe", 50), ("freq_words", 50), ("qa", 32))  # fmt: skip
 
 
-def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
+def read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
     """(line number, record) of every non-empty line; a line that is not a JSON object is
     refused by its number."""
     records = []
@@ -124,7 +124,7 @@ def load_ruler_jsonl(path: str | Path, task: str | None = None) -> list[Sample]:
     metric = "ruler_string_match_part" if _is_qa(task) else "ruler_string_match_all"
     max_new = next((n for prefix, n in _RULER_MAXLEN if task.startswith(prefix)), 128)
     out = []
-    for line, r in _read_jsonl(path):
+    for line, r in read_jsonl(path):
         where = f"{path}:{line}"
         _require(r, ("input", "outputs"), where)
         outputs = _answers(r, "outputs", where)
@@ -218,7 +218,7 @@ def load_longbench_jsonl(
     path = Path(path)
     templates = {**TEMPLATES, **(templates or {})}
     out = []
-    for line, r in _read_jsonl(path):
+    for line, r in read_jsonl(path):
         where = f"{path}:{line}"
         _require(r, ("context", "answers"), where)
         name = r.get("dataset") or dataset or path.stem

@@ -1,0 +1,215 @@
+"""The records file of `python -m kvjax.run`: what a record carries beside its figures
+(machine, versions, provenance), the JSON / JSONL writer, and what `--resume` accepts."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from kvjax.run_args import UsageError
+
+
+@functools.lru_cache(maxsize=1)
+def _machine() -> dict:
+    """What a record's timings were measured on: without it TTFT and time per token cannot
+    be compared between records."""
+    import platform
+
+    import jax
+
+    dev = jax.devices()[0]
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"backend": jax.default_backend(), "device_kind": dev.device_kind,
+            "device_count": jax.device_count(), "cpu_threads": threads,
+            "cpu": platform.processor() or platform.machine()}
+
+
+def _versions() -> dict:
+    import jax
+
+    import kvjax
+
+    return {"kvjax": kvjax.__version__, "jax": jax.__version__}
+
+
+# method statistics too large for a record (every block's score at every pruning layer of
+# every sample: 14.7 MB for one SlimInfer sweep); the API's stats still have them
+BULKY_STATS = ("block_scores",)
+
+
+@functools.lru_cache(maxsize=4)
+def _provenance(path: str | None) -> dict:
+    from kvjax.models.checkpoint import provenance
+
+    return provenance(path)
+
+
+def _finite(x):
+    """NaN/inf (e.g. ASL's relative variance at layers a method never scored) as null: the
+    output is strict JSON that any parser reads."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _dumps(x, **kw) -> str:
+    return json.dumps(_finite(x), default=str, allow_nan=False, **kw)
+
+
+# ---- the output: checked first, written as each record finishes ----------------------------
+
+
+class Output:
+    """The records file. Checked before any work (a missing folder, a folder, an unwritable
+    path, an existing file without --resume/--overwrite are refused); each record is
+    written the moment it is measured: `.jsonl` appends one line, anything else rewrites
+    the JSON object to a temporary file and renames it over the output (atomic: a crash
+    leaves the previous version, never half a file)."""
+
+    def __init__(self, path: Path | None, resume: bool, overwrite: bool):
+        self.path, self.records, self.lines = path, [], path is not None and \
+            path.suffix == ".jsonl"
+        self.appending = resume  # JSON lines: append to what is there
+        self.file_args = None  # a .json output's own command (its "args")
+        if path is None:
+            return
+        if path.is_dir():
+            raise UsageError(f"--output {path} is a directory; give a file path")
+        if not path.parent.is_dir():
+            raise UsageError(f"--output {path}: directory {path.parent} does not exist")
+        if path.exists() and not (resume or overwrite):
+            raise UsageError(f"--output {path} exists: --resume continues it, --overwrite "
+                             "replaces it")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise UsageError(f"--output {path} is not writable")
+        try:
+            with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}."):
+                pass
+        except OSError as e:
+            raise UsageError(f"--output {path}: cannot write in {path.parent} "
+                             f"({e.strerror})") from e
+        if resume and path.exists():
+            from kvjax.report import load_records
+
+            if self.lines:
+                self._drop_partial_line()
+            try:
+                self.records = load_records(path)
+            except (ValueError, KeyError, TypeError) as e:
+                raise UsageError(f"--output {path} cannot be resumed: {e}") from e
+            if not self.lines:
+                try:
+                    self.file_args = json.loads(path.read_text()).get("args")
+                except (ValueError, AttributeError):
+                    self.file_args = None
+
+    def _drop_partial_line(self) -> None:
+        """A JSON-lines file whose last line was cut off by a kill (no newline after it,
+        not JSON): the partial record is dropped, with a warning, so appending continues
+        a well-formed file; no finished record is touched."""
+        data = self.path.read_bytes()
+        if not data or data.endswith(b"\n"):
+            return
+        cut = data.rfind(b"\n") + 1
+        try:
+            json.loads(data[cut:])
+        except ValueError:
+            pass
+        else:  # a whole record without its newline: kept, the next one on a line of its own
+            with open(self.path, "ab") as f:
+                f.write(b"\n")
+            return
+        with open(self.path, "r+b") as f:
+            f.truncate(cut)
+        print(f"warning: {self.path}: dropped its last line, a record cut off when a run was "
+              f"killed ({len(data) - cut} bytes); the finished records are kept",
+              file=sys.stderr)
+
+    def done(self) -> set[str]:
+        """The `job` keys already measured (records older than the field match none)."""
+        return {json.dumps(r["job"], sort_keys=True) for r in self.records if "job" in r}
+
+    def add(self, record: dict, meta: dict) -> None:
+        self.records.append(record)
+        if self.path is None:
+            return
+        if self.lines:
+            with open(self.path, "a" if self.appending else "w") as f:
+                f.write(_dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.appending = True
+        else:
+            self.write(meta, complete=False)
+
+    def write(self, meta: dict, complete: bool) -> None:
+        """The JSON object, atomically (JSON lines have nothing to rewrite)."""
+        if self.path is None or self.lines:
+            return
+        text = _dumps({"records": self.records, "complete": complete, **meta}, indent=1)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+
+def _one_line(x) -> str:
+    return " ".join(str(x).split())[:2000]
+
+
+_IDENTITY = ("method", "budget", "ratio", "task", "context", "file_sha256", "fraction",
+             "max_samples")
+
+
+def _check_resume(out: "Output", args, settings: dict) -> None:
+    """--resume continues the same sweep: every job field besides (method, budget, ratio,
+    task, context) of the file's records (samples, seed, scenario, dtype, max_new_tokens,
+    --set, ...) must be this command's, and a .json file's own lists of methods, budgets,
+    tasks and contexts too; else one error names the first field that differs."""
+    if not args.resume:
+        return
+    for r in out.records:
+        job = r.get("job")
+        if job is None:
+            continue
+        for k in sorted((set(job) | set(settings)) - set(_IDENTITY)):
+            if job.get(k) != settings.get(k):
+                raise UsageError(f"--resume: {args.output} was measured with {k}="
+                                 f"{job.get(k)!r}, this command has {k}={settings.get(k)!r}; "
+                                 "resume with the same command, or use another --output")
+    file_args = out.file_args or {}
+    for k in ("method", "budget", "ratio", "task", "context"):
+        if k in file_args and file_args[k] != getattr(args, k):
+            raise UsageError(f"--resume: {args.output} is the sweep --{k} "
+                             f"{_listed(file_args[k])}, this command has --{k} "
+                             f"{_listed(getattr(args, k))}; resume with the same command, "
+                             "or use another --output")
+
+
+def _listed(v) -> str:
+    return "(none)" if v is None else ",".join(map(str, v)) if isinstance(v, list) else str(v)
+
+
+def _kept(out: Output, finished: int, total: int) -> str:
+    if out.path is None:
+        return f"{finished} of {total} records finished (no --output: none kept)"
+    return (f"{finished} of {total} records finished and kept in {out.path}; the same "
+            "command with --resume runs the rest")

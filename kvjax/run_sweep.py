@@ -1,0 +1,406 @@
+"""The sweep of `python -m kvjax.run`: the jobs (method x budget x task x context) planned
+and checked before any work, and each job measured into its record."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+
+import numpy as np
+
+from kvjax.run_args import TaskSpec, UsageError, check_tasks
+from kvjax.run_records import BULKY_STATS, _machine, _provenance, _versions
+from kvjax.run_signals import _check_signals
+
+
+def make_method(name: str, budget: int | None, ratio: float | None, n: int, extra: dict):
+    """A configured method at a budget (`--budget`), or at kvpress's compression `--ratio`
+    of an n-token compressed prompt (`Method.with_ratio`)."""
+    from kvjax import methods
+
+    return at_budget(methods.create(name, **extra), budget, ratio, n)
+
+
+def at_budget(method, budget: int | None, ratio: float | None, n: int):
+    """`method` at `--budget` or at `--ratio` of an n-token compressed prompt (neither: as
+    configured)."""
+    if budget is not None:
+        return method.with_budget(budget)
+    return method if ratio is None else method.with_ratio(ratio, n)
+
+
+def budget_of(method, given=None):
+    """The budget a record reports: the method's own `budget` field (its base's for a
+    wrapper; the token-selection methods' `select_k` where they keep no `budget`: ASL's
+    `with_budget` sets `select_k`), else the one given to `with_budget`."""
+    own = getattr(method, "budget", None)
+    if own is None and hasattr(method, "base"):
+        own = budget_of(method.base)
+    if own is None:
+        own = getattr(method, "select_k", None)
+    return own if own is not None else given
+
+
+@dataclasses.dataclass
+class Prompts:
+    """One task's samples at one context, encoded once for every method of the sweep."""
+
+    samples: list
+    prompts: list  # int32 arrays: what is compressed (the context alone, context-only)
+    questions: list | None  # context-only: the question prefilled on top
+    max_new: list[int]  # per sample
+    spec: TaskSpec = None
+    in_file: int | None = None  # a benchmark file's record count (before --fraction)
+    selection: dict | None = None  # a benchmark file's --fraction and --samples
+
+
+@dataclasses.dataclass
+class Job:
+    """One record to measure: a method at a budget or ratio on a task at a context."""
+
+    method: str
+    budget: int | None
+    ratio: float | None
+    task: str
+    context: int | None  # None: a benchmark file (its prompts have their own lengths)
+    data: Prompts = dataclasses.field(repr=False, default=None)
+    # (method, sample indices) per batch; a ratio gives each compressed length its budget
+    batches: list = dataclasses.field(repr=False, default_factory=list)
+
+    def label(self) -> str:
+        at = f" --budget {self.budget}" if self.budget is not None else \
+            f" --ratio {self.ratio}" if self.ratio is not None else ""
+        where = f" at context {self.context}" if self.context is not None else ""
+        return f"{self.method}{at} on {self.task}{where}"
+
+
+def _settings(args, model, extra: dict) -> dict:
+    """What besides (method, budget, ratio, task, context) a record's figures depend on."""
+    return {"scenario": args.scenario, "samples": args.samples, "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens, "set": extra, "kernels": args.kernels,
+            "details": args.details,
+            "weights": _provenance(str(model.path) if model.path else None)["sha256"],
+            # only where they differ from what records written before they existed ran
+            # with, so --resume still matches those
+            **({"dtype": _dtype_name(model)} if _dtype_name(model) != "float32" else {}),
+            **({"mesh": args.mesh.replace(" ", "")} if args.mesh else {}),
+            **({"chat_template": True} if args.chat_template else {})}
+
+
+def _dtype_name(model) -> str:
+    return str(model.params["embed"].dtype)
+
+
+def job_key(job: Job, settings: dict) -> str:
+    """The identity `--resume` matches on (a record's `job` field)."""
+    spec = job.data.spec if job.data is not None else None
+    data = {} if spec is None or spec.synthetic else {
+        "file_sha256": spec.sha256, **job.data.selection}
+    return json.dumps({"method": job.method, "budget": job.budget, "ratio": job.ratio,
+                       "task": job.task, "context": job.context, **settings, **data},
+                      sort_keys=True, default=list)
+
+
+def _encode(model, spec: TaskSpec, context: int | None, args) -> Prompts:
+    from kvjax import tasks
+    from kvjax.tasks import loaders
+
+    in_file = cap = None
+    if spec.synthetic:  # --context counts the evaluated model's tokens (as RULER does)
+        samples = tasks.fit(spec.name, context, _counter(model, args), n=args.samples,
+                            seed=args.seed)
+    else:
+        samples = loaders.load_benchmark(spec.kind, spec.path)
+        in_file = len(samples)
+        idx = loaders.take_fraction(in_file, args.fraction or 1.0, args.seed, spec.name)
+        cap = args.samples if args.samples_given else None
+        samples = [samples[i] for i in idx[:cap]]
+    arr = lambda ids: np.asarray(ids, np.int32)  # noqa: E731
+    # a benchmark text that already holds special tokens (RULER prepared with a model
+    # template) is encoded as written: no special tokens added, no chat template on top
+    marked = [None if spec.synthetic else model.special_text(s.prompt) for s in samples]
+    if args.chat_template and any(marked):
+        i = next(i for i, m in enumerate(marked) if m)
+        raise ValueError(f"line {samples[i].meta.get('line')} already holds chat markup "
+                         f"({marked[i]!r}): it was rendered when the file was made; drop "
+                         "--chat-template (such files are run as written)")
+    chat = [args.chat_template and s.chat for s in samples]
+    if args.scenario == "question_aware" and not any(chat):
+        prompts = [arr(model.encode(s.prompt, bos=not m)) for s, m in zip(samples, marked)]
+        questions = None
+    else:  # one tokenization of the whole prompt, cut where the context ends
+        parts = [model.prompt_ids(s.context, s.question, chat=c, sep=s.sep, special=not m)
+                 for s, c, m in zip(samples, chat, marked)]
+        if args.scenario == "question_aware":
+            prompts, questions = [arr(c + q) for c, q in parts], None
+        else:
+            prompts, questions = [arr(c) for c, _ in parts], [arr(q) for _, q in parts]
+    new = [args.max_new_tokens if args.max_new_tokens is not None else
+           _answer_tokens(model, s, args.chat_template) if spec.synthetic else s.max_new_tokens
+           for s in samples]
+    selection = None if spec.synthetic else {"fraction": args.fraction or 1.0,
+                                               "max_samples": cap}
+    return Prompts(samples, prompts, questions, new, spec, in_file, selection)
+
+
+def _counter(model, args):
+    """A synthetic sample's prompt length in the model's tokens, as `_encode` will feed it:
+    special tokens, and the chat template's markup with --chat-template, included."""
+    def count(s) -> int:
+        return sum(map(len, model.prompt_ids(s.context, s.question, chat=args.chat_template,
+                                             sep=s.sep)))
+    return count
+
+
+def _answer_tokens(model, s, chat: bool) -> int:
+    """A synthetic task's new-token budget in the model's tokens: its target as the model
+    writes it after the prompt, and an end token; with the chat template also room to
+    restate the question first (an instruct model's habit: "The special magic number for
+    X is ...")."""
+    n = len(model.encode(s.sep + s.target, bos=False)) + 1
+    return n + len(model.encode(s.question, bos=False)) if chat else n
+
+
+def _batches(per_sample: list, batch_size: int) -> list:
+    """(method, indices) batches: samples grouped by their method (a ratio's budget follows
+    each compressed length), in order, `batch_size` at most."""
+    groups: dict = {}
+    for i, m in enumerate(per_sample):
+        groups.setdefault(m, []).append(i)
+    return [(m, idx[j: j + batch_size]) for m, idx in groups.items()
+            for j in range(0, len(idx), batch_size)]
+
+
+def _check_job(job: Job, model, base, args) -> None:
+    """Configure the job's method for every sample and check it on their lengths exactly as
+    `engine.run` would; a refusal names the combination."""
+    from kvjax import engine
+
+    d = job.data
+    try:
+        per_sample = [at_budget(base, job.budget, job.ratio, len(p)) for p in d.prompts]
+        job.batches = _batches(per_sample, args.batch_size)
+        longest = max(len(p) + (len(d.questions[i]) if d.questions else 0)
+                      for i, p in enumerate(d.prompts))
+        for method, idx in job.batches:
+            engine.check_method(model.cfg, [len(d.prompts[i]) for i in idx], longest,
+                                _resolved(method, d, idx))
+    except ValueError as e:
+        raise UsageError(f"{job.label()}: {e}") from e
+
+
+def _resolved(method, d: Prompts, idx: list[int]):
+    """The method as `engine.run` runs it on these samples: its length-dependent defaults
+    resolved for the batch's longest prompt (`Method.for_prompt`)."""
+    return method.for_prompt(max(len(d.prompts[i]) for i in idx))
+
+
+def _prompts_for(model, spec: TaskSpec, ctx: int | None, args) -> Prompts:
+    from kvjax import engine
+
+    limit = model.cfg.max_positions
+    if ctx is not None and ctx > limit:  # refused before a haystack of that size is built
+        raise UsageError(f"--context {ctx} exceeds the model's maximum length {limit} tokens "
+                         "(max_position_embeddings, or yarn's factor x original length)")
+    where = f"task {spec.name} at context {ctx}" if spec.synthetic else \
+        f"task {spec.name} ({spec.path})"
+    try:
+        d = _encode(model, spec, ctx, args)
+        if not spec.synthetic:
+            _check_lengths(d, limit)
+        engine.check_tokens(model.cfg, d.prompts, d.questions, max(d.max_new))
+    except ValueError as e:
+        raise UsageError(f"{where}: {e}") from e
+    return d
+
+
+def _check_lengths(d: Prompts, limit: int) -> None:
+    """A benchmark sample longer than the model is refused by its line (LongBench's own
+    evaluation truncates the middle of such prompts; kvjax does not change a prompt)."""
+    for i, s in enumerate(d.samples):
+        n = len(d.prompts[i]) + (len(d.questions[i]) if d.questions else 0)
+        if n + d.max_new[i] > limit:
+            raise ValueError(f"the sample of line {s.meta.get('line')} has {n} prompt tokens "
+                             f"+ max_new_tokens={d.max_new[i]}, beyond the model's "
+                             f"maximum length {limit} tokens")
+
+
+def plan(args, model, bases: dict, specs: list[TaskSpec] | None = None) -> list[Job]:
+    """Every (method, budget or ratio, task, context) of the sweep, each checked on its
+    prompts; a method without a budget (`full`) runs once per task and context; a
+    benchmark file once (context None). `bases`: each method as configured
+    (`_configured`); `specs`: the tasks (`check_tasks`)."""
+    specs = specs if specs is not None else check_tasks(args.task)
+    cells = [(s, c) for s in specs for c in (args.context if s.synthetic else [None])]
+    data = {(s.name, c): _prompts_for(model, s, c, args) for s, c in cells}
+    points = [(b, None) for b in args.budget] if args.budget else \
+        [(None, r) for r in args.ratio] if args.ratio else [(None, None)]
+    jobs, seen = [], set()
+    for name, (b, r), (spec, ctx) in itertools.product(args.method, points, cells):
+        task = spec.name
+        base = bases[name]
+        if base.with_budget(1) == base.with_budget(2):
+            b, r = None, None  # no budget to vary (its record and line say so)
+        if (name, b, r, task, ctx) in seen:
+            continue
+        seen.add((name, b, r, task, ctx))
+        job = Job(name, b, r, task, ctx, data[task, ctx])
+        _check_job(job, model, base, args)
+        jobs.append(job)
+    return jobs
+
+
+def _configured(name: str, extra: dict[str, str], args):
+    """The method `name` with the --set values typed against its fields."""
+    from kvjax import methods
+    from kvjax.methods import registry
+
+    try:
+        methods.get(name)
+        typed = {k: registry.parse_value(name, k, v) for k, v in extra.items()}
+        if "budget" in typed and (args.budget or args.ratio):
+            raise ValueError(f"--set budget={extra['budget']} conflicts with "
+                             f"--{'budget' if args.budget else 'ratio'}: give one")
+        return methods.create(name, **typed)
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from e
+
+
+# ---- measuring one job ------------------------------------------------------------------
+
+
+def evaluate(model, job: Job, args, settings: dict, pbar=None) -> dict:
+    """Run the job's batches and return its record."""
+    from kvjax import engine, tasks
+    from kvjax.pallas import Kernels
+
+    d, n = job.data, len(job.data.samples)
+    per_sample: list = [None] * n
+    ttft, tpot, live, alloc, full, kernels, compile_s = [], [], [], [], [], [], 0.0
+    extra_stats: dict[str, list] = {}
+    used, dtype = {}, None
+    for method, idx in job.batches:
+        gen = engine.run(model.params, model.cfg, [d.prompts[i] for i in idx], method,
+                         questions=None if d.questions is None else
+                         [d.questions[i] for i in idx],
+                         max_new_tokens=max(d.max_new[i] for i in idx),
+                         kernels=Kernels.every(args.kernels), mesh=model.mesh)
+        _check_signals()
+        st = gen.stats
+        ran = _resolved(method, d, idx)
+        used[ran] = budget_of(ran, job.budget if job.budget is not None else
+                              _ratio_budget(job, d.prompts[idx[0]]))
+        dtype = str(gen.cache.k.dtype)
+        compile_s += st["compile_s"]
+        ttft.append(st["ttft_s"])
+        tpot += [st["tpot_s"]] if st["tpot_s"] is not None else []
+        live.append(st["kv_bytes_live"] / len(idx))
+        alloc.append(st["kv_bytes_allocated"] / len(idx))
+        full.append(st["kv_bytes_full"] / len(idx))
+        kernels.append(st["kernels"])
+        for k, v in st.items():
+            if k not in engine.ENGINE_STATS:
+                extra_stats.setdefault(k, []).append(v)
+        for j, (i, toks) in enumerate(zip(idx, gen.tokens)):
+            s = d.samples[i]
+            pred = model.decode(toks)
+            score = tasks.score(job.task, pred, s.answer) if d.spec is None or \
+                d.spec.synthetic else tasks.score_sample(s, pred)
+            rec = {"prediction": pred, "answer": s.answer, "score": score,
+                   "correct": bool(score == 1.0), "depth": s.depth, "budget": used[ran]}
+            if d.spec is not None and not d.spec.synthetic:
+                rec.update(_sample_id(s))
+            for k, v in st.items():
+                if k not in (*engine.ENGINE_STATS, *BULKY_STATS) and isinstance(v, list) \
+                        and len(v) == len(idx):
+                    rec[k] = v[j]
+            per_sample[i] = rec
+        if pbar is not None:
+            pbar.update(len(idx))
+    budgets = sorted(set(used.values()), key=lambda v: (v is None, v or 0))
+    record = {
+        "method": job.method,
+        "budget": budgets[0] if len(budgets) == 1 else budgets,
+        "ratio": job.ratio,
+        "scenario": args.scenario,
+        "task": job.task,
+        "context_length": job.context,
+        "samples": n,
+        "seed": args.seed,
+        "max_new_tokens": max(d.max_new),
+        "prompt_tokens": _prompt_tokens(d),
+        "accuracy": float(np.mean([r["score"] for r in per_sample])),
+        "kv_bytes_live": float(np.mean(live)),
+        "kv_bytes_allocated": float(np.mean(alloc)),
+        "kv_bytes_full": float(np.mean(full)),
+        "kv_fraction": float(np.mean(live) / np.mean(full)),
+        "ttft_s": float(np.mean(ttft)),
+        "tpot_s": float(np.mean(tpot)) if tpot else None,
+        "compile_s": compile_s,
+        "method_stats": {k: v for k, v in extra_stats.items() if k not in BULKY_STATS},
+        "kernels": merge_kernels(kernels),
+        "dtype": dtype,
+        "mesh": st["mesh"],  # {data, model, compression: shard_map | xla}, null: one device
+        "method_params": dataclasses.asdict(next(iter(used))),
+        "model": model.name,
+        "model_weights": _provenance(str(model.path) if model.path else None),
+        "versions": _versions(),
+        "machine": dict(_machine()),
+        "job": json.loads(job_key(job, settings)),
+    }
+    if d.spec is not None and not d.spec.synthetic:
+        record.update(_benchmark_fields(d, per_sample, args))
+    record["chat_template"] = bool(args.chat_template)
+    if job.budget is None and job.ratio is None and (args.budget or args.ratio):
+        record["note"] = f"{job.method} takes no budget: --budget/--ratio not applied"
+    if args.details:
+        record["details"] = per_sample
+    return record
+
+
+def _sample_id(s) -> dict:
+    """Where a benchmark sample came from: its file line, its own id, its dataset."""
+    meta = s.meta
+    return {"line": meta.get("line"), "id": meta.get("_id", meta.get("index")),
+            "dataset": s.task}
+
+
+def _benchmark_fields(d: Prompts, per_sample: list[dict], args) -> dict:
+    """A benchmark record's extra fields: the file it was measured on (path, sha256, how
+    many of its records ran), the prompt lengths, the score per dataset, and every
+    prediction (with `--details` or not), so a result can be rescored and checked."""
+    by: dict[str, list[float]] = {}
+    for r in per_sample:
+        by.setdefault(r["dataset"], []).append(r["score"])
+    return {
+        "benchmark": {"kind": d.spec.kind, "path": str(d.spec.path), "sha256": d.spec.sha256,
+                      "records_in_file": d.in_file, "fraction": args.fraction or 1.0,
+                      "metric": sorted({s.metric for s in d.samples})},
+        "accuracy_by_dataset": {k: float(np.mean(v)) for k, v in sorted(by.items())},
+        "predictions": [{k: r[k] for k in ("line", "id", "dataset", "prediction", "score")}
+                        for r in per_sample],
+    }
+
+
+def _prompt_tokens(d: Prompts) -> dict:
+    """{min, mean, max} of the tokens each sample's prompt fed the model (context and
+    question, special tokens and chat markup included)."""
+    n = [len(p) + (len(d.questions[i]) if d.questions else 0) for i, p in enumerate(d.prompts)]
+    return {"min": int(min(n)), "mean": float(np.mean(n)), "max": int(max(n))}
+
+
+def _ratio_budget(job: Job, prompt) -> int | None:
+    """kvpress's `int(n (1 - r))` of a compressed prompt (what `with_ratio` gives a method
+    that stores its budget elsewhere)."""
+    return None if job.ratio is None else max(1, int(len(prompt) * (1 - job.ratio)))
+
+
+def merge_kernels(per_batch: list[dict]) -> dict[str, str]:
+    """{op: implementation} over every batch of a record ("a, b" when batches differed: a
+    kernel that fell back to xla for some shapes is not reported as having run alone)."""
+    ops: dict[str, set] = {}
+    for k in per_batch:
+        for op, impl in k.items():
+            ops.setdefault(op, set()).update(x.strip() for x in impl.split(","))
+    return {op: ", ".join(sorted(v)) for op, v in sorted(ops.items())}

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The SmolLM2-135M sweeps behind MODEL.md's calibration rows and docs/results/pooling.md:
+# one JSONL file per sweep, resumable (re-run this script to finish what a stop cut off).
+#   nice bash scripts/sweeps_smollm2.sh
+set -u
+D=docs/results/smollm2
+R="python -m kvjax.run --model smollm2-135m --task niah_single --context 1024 --samples 50
+   --batch-size 8 --details --no-progress"
+sweep() {  # file, then arguments
+  local f=$D/$1; shift
+  if [ -e "$f" ]; then $R "$@" --output "$f" --resume; else $R "$@" --output "$f"; fi
+}
+sweep calib_qa_1024.jsonl --method snapkv,ada_snapkv,h2o,tova,streaming_llm --budget 128,64
+sweep calib_co_1024.jsonl --method snapkv,ada_snapkv --budget 128,64 --scenario context_only
+for k in 1 5 11 17 21; do
+  sweep pool_snapkv_max_k${k}_1024.jsonl --method snapkv --budget 128 --set kernel=$k
+done
+for k in 5 7 17; do
+  sweep pool_snapkv_avg_k${k}_1024.jsonl --method snapkv --budget 128 --set kernel=$k --set pooling=avg
+done
+sweep pool_ada_snapkv_max_k17_1024.jsonl --method ada_snapkv --budget 128,64 --set kernel=17
