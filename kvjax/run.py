@@ -16,6 +16,7 @@ traceback).
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import threading
@@ -77,8 +78,11 @@ def _run_main(argv: list[str], debug: bool) -> int:
 def _first_line(doc: str | None, width: int = 100) -> str:
     """A docstring's first sentence on one line of at most `width` characters
     (`--list-methods`)."""
-    para = " ".join((doc or "").strip().split("\n\n")[0].split())
-    line = para.split(". ")[0].rstrip(".")
+    para = re.sub(r"(\w)-\n\s*", r"\1-", (doc or "").strip()).split("\n\n")[0]
+    para = " ".join(para.split())  # a word hyphenated across lines stays one word
+    # a sentence ends at ". " not after an abbreviation ("Eq. 5", "Sec. 4", "et al. 2024")
+    line = re.split(r"(?<!\bEq)(?<!\bSec)(?<!\bal)(?<!\be\.g)(?<!\bi\.e)(?<!\bcf)\. ", para)[0]
+    line = line.rstrip(".")
     return line if len(line) <= width else line[: width - 3] + "..."
 
 

@@ -622,3 +622,10 @@ def test_public_names_after_a_lazy_import():
             "assert kvjax.generate is api.generate and callable(kvjax.Model)")
     r = sp.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_list_descriptions_end_at_the_sentence_not_at_an_abbreviation():
+    doc = """LAVa: Eq. 5 scores (Sec. 4, Fu et al. 2024), token-
+    selective. Second sentence."""
+    assert cli._first_line(doc) == "LAVa: Eq. 5 scores (Sec. 4, Fu et al. 2024), token-selective"
+    assert len(cli._first_line("x " * 200)) == 100
