@@ -167,15 +167,9 @@ def adakv_code_counts(
     window; prefix padding must score -inf. `heads`: one block of the heads (the engine's
     shard_map): the top-k runs across every block.
     """
-    B, K, P = scores_BKP.shape
-    if heads.split:  # the same set: the top K * base, ties lower flat index first
-        Kg = heads.total(K)
-        chosen = flat_top_mask(scores_BKP, Kg * base, Kg * P, heads)
-    else:
-        order = jnp.argsort(-scores_BKP.reshape(B, K * P), axis=-1, stable=True)
-        rank = jnp.zeros_like(order).at[jnp.arange(B)[:, None], order].set(
-            jnp.broadcast_to(jnp.arange(K * P), (B, K * P)))
-        chosen = (rank < (K * base)[:, None]).reshape(B, K, P)
+    _, K, P = scores_BKP.shape
+    Kg = heads.total(K)  # the top K * base over every head, ties lower flat index first
+    chosen = flat_top_mask(scores_BKP, Kg * base, Kg * P, heads)
     count = jnp.sum(chosen, axis=-1).astype(jnp.float32)
     floor = jnp.floor(base.astype(jnp.float32) * alpha)[:, None]
     return jnp.round(count * (1 - alpha) + floor).astype(jnp.int32)

@@ -293,6 +293,7 @@ class Cascading(PrefillEviction):
             budget=jnp.full((L, batch), _BIG, jnp.int32),
             over=jnp.zeros((L, batch), bool),
             keep=jnp.ones((L, batch, K, P), bool),
+            held=jnp.zeros((L, batch, K), bool),  # safeguard counts cut at the cap
             shrank=jnp.ones((), bool),
             peak=jnp.zeros((batch,), jnp.int32),
             n_real=jnp.zeros((batch,), jnp.int32),
@@ -374,7 +375,8 @@ class Cascading(PrefillEviction):
             b = jnp.where(now, jnp.minimum(raw, st["budget"]), st["budget"])
             st["budget"] = b
             st["over"] = jnp.where(now, over, st["over"])
-            st["keep"] = st["keep"] & self._masks(st, b, cap, io.heads)[0]
+            keep, st["held"] = self._masks(st, b, cap, io.heads)
+            st["keep"] = st["keep"] & keep
             st = self._buffer(io, st, T)
         return io.kv, None, st
 
@@ -424,7 +426,7 @@ class Cascading(PrefillEviction):
             total, lcap = self._totals(st["n_real"], L, K, cap)
             b, st["over"] = self._budgets(st, jnp.ones((L,), bool), total, lcap, True, K)
             st["budget"] = b
-            st["keep"] = self._masks(st, b, cap)[0]
+            st["keep"], st["held"] = self._masks(st, b, cap)
             st["peak"] = L * K * st["n_real"]
         S = self.slots(T)
         r = lambda x: x.reshape((L * B,) + x.shape[2:])  # noqa: E731
@@ -470,7 +472,7 @@ class Cascading(PrefillEviction):
         if self.heads in ("flat", "safeguard"):
             head = jnp.any(st["caprank"] < b[..., None], axis=-1)
         # a safeguard count cut at the cap, in a head that has entries beyond it
-        held = jnp.any(self._masks(st, b, cap)[1] & (st["caprank"] < _BIG), axis=-1)
+        held = jnp.any(st["held"] & (st["caprank"] < _BIG), axis=-1)
         return jnp.any(layer | head | held, axis=0)
 
     def final_keep(self, st, valid_LBKT):
