@@ -251,3 +251,28 @@ def test_bad_input(pair):
                     (dict(tau=1.5, select_k=40), "tau=1.5"), (dict(l_min=40, select_k=40), "l_min=40")]:
         with pytest.raises(ValueError, match=msg):
             engine.run(params, cfg, [ids], methods.create("asl", **kw), max_new_tokens=1)
+
+
+@pytest.mark.parametrize("name,kw", [("asl", dict(window=8, tau=0.98)), ("fastkv", {})])
+def test_length_defaults_compile_once_per_bucket(pair, name, kw):
+    """ASL's `select_fraction` and FastKV's rates resolve from the engine bucket's length
+    (`budgets.length_scale`), not the raw prompt length: over 50 prompts of different
+    lengths, only the first prompt of each bucket compiles."""
+    from kvjax.engine.inputs import bucket
+
+    _, cfg, params = pair
+    m = methods.create(name, **kw)
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(150, 400, 50)
+    engine.clear_compiled()
+    seen, late = set(), []
+    for n in lengths:
+        _COMPILES.clear()
+        engine.run(params, cfg, [list(rng.integers(3, 97, n))], m, max_new_tokens=2,
+                   stop_ids=())
+        if bucket(int(n)) in seen and _COMPILES:
+            late.append((int(n), len(_COMPILES)))
+        seen.add(bucket(int(n)))
+    k = {m.for_prompt(int(n)).select_k for n in lengths}
+    assert len(k) > 1 and len(seen) > 3, (k, seen)  # the default does depend on the length
+    assert late == [], late

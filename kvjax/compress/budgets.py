@@ -18,13 +18,19 @@ from kvjax.compress.selection import mark
 
 
 def length_scale(n: int) -> int:
-    """The prompt length a length-proportional default is computed from: n rounded down to
-    one of four lengths per octave (the engine's bucket grid, rounded the other way), so
-    prompts of nearby lengths resolve to one value and share one compilation."""
-    if n <= 16:
-        return n
-    step = 2 ** (n.bit_length() - 3)  # a quarter of the octave [2^k, 2^(k+1))
-    return n // step * step
+    """The prompt length a length-proportional default is computed from (ASL's and
+    FastKV's token counts, SlimInfer's scaled schedule): n rounded up to one of four
+    lengths per octave, the engine's padded length (`engine.inputs.bucket`), so every
+    prompt of a bucket resolves to one value and one compilation. Exact at the grid's
+    lengths (1024, 1280, 1536, 1792, 2048, ...), at most 25% above n elsewhere; n itself
+    up to 16."""
+    return n if n <= 16 else quarter_octave(n)
+
+
+def quarter_octave(n: int) -> int:
+    """n rounded up to one of four lengths per octave [2^k, 2^(k+1)) (n itself below 8)."""
+    step = 2 ** max(n.bit_length() - 3, 0)
+    return -(-n // step) * step
 
 
 def water_fill(w_L: Float[Array, "L"], lo_L, hi_L, total) -> Float[Array, "L"]:

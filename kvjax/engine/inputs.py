@@ -6,19 +6,18 @@ compilation, and left-padded, so every element's last prompt token sits at the s
 
 from __future__ import annotations
 
-import math
 
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
+from kvjax.compress.budgets import quarter_octave
+
 
 def bucket(n: int, minimum: int = 16) -> int:
-    """Round a length up to one of four buckets per octave (<= 25% padding)."""
-    if n <= minimum:
-        return minimum
-    step = 2 ** max(int(math.floor(math.log2(n))) - 2, 0)
-    return -(-n // step) * step
+    """Round a length up to one of four buckets per octave (<= 25% padding): the grid of
+    `budgets.length_scale`, from which length-proportional defaults are computed."""
+    return minimum if n <= minimum else quarter_octave(n)
 
 
 def pad_left(seqs: list[list[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -47,6 +47,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from kvjax.compress import budgets
 from kvjax.config import ModelConfig
 from kvjax.methods.asl.layerwise import LayerwiseSelection, descending_ranks
 from kvjax.methods.registry import register
@@ -106,8 +107,9 @@ class ASL(LayerwiseSelection):
             return self
         if not 0 < self.select_fraction <= 1:
             raise ValueError(f"select_fraction={self.select_fraction} outside (0, 1]")
-        return dataclasses.replace(self, select_k=max(int(n * self.select_fraction),
-                                                      self.window + 1))
+        # of the bucket's length, not n: one select_k, one compilation, per bucket
+        k = min(int(budgets.length_scale(n) * self.select_fraction), n)
+        return dataclasses.replace(self, select_k=max(k, self.window + 1))
 
     def lmin(self, cfg: ModelConfig) -> int:
         return cfg.num_layers // 3 if self.l_min is None else self.l_min
@@ -195,8 +197,9 @@ class FastKV(LayerwiseSelection):
     def resolved(self, n: int) -> "FastKV":
         """Token counts from the rates, for a prompt of n tokens (the engine resolves them
         for the longest prompt of a batch, `for_prompt`; a padded length otherwise)."""
-        k = self.select_k if self.select_k is not None else int(self.tsp_rate * n)
-        b = self.budget if self.budget is not None else int(self.kv_rate * n)
+        scale = budgets.length_scale(n)  # the bucket's length: one compilation per bucket
+        k = self.select_k if self.select_k is not None else min(int(self.tsp_rate * scale), n)
+        b = self.budget if self.budget is not None else min(int(self.kv_rate * scale), n)
         return dataclasses.replace(self, select_k=k, budget=b)
 
     def for_prompt(self, n: int) -> "FastKV":
