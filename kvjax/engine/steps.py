@@ -86,17 +86,29 @@ def shrink(cache, *, slots: int, capacity: int):
     return kvcache.shrink(cache, slots, capacity)
 
 
-def _extend(params, cache: kvcache.KVCache, tokens_BT, valid_BT, cfg, method, state, kernels):
-    B, T = tokens_BT.shape
-    pos_BT = positions(valid_BT, cache.next_pos)
+def _slots(cache: kvcache.KVCache, state, cfg, method, B: int, T: int):
+    """[L, B, K, T] where T new entries go: the method's choice (eviction while decoding),
+    else the T slots after the cache's end."""
     slots = method.decode_slots(cache, state, T)
     if slots is None:
         slots = jnp.broadcast_to(cache.end + jnp.arange(T, dtype=jnp.int32),
                                  (cfg.num_layers, B, cfg.num_kv_heads, T))
+    return slots
+
+
+def _advanced(kv, cache: kvcache.KVCache, valid_BT) -> kvcache.KVCache:
+    """The cache after T new entries: its end past them, the next position past the valid."""
+    return kvcache.KVCache.of(kv, end=cache.end + valid_BT.shape[1], next_pos=cache.next_pos
+                              + jnp.sum(valid_BT, axis=1, dtype=jnp.int32))
+
+
+def _extend(params, cache: kvcache.KVCache, tokens_BT, valid_BT, cfg, method, state, kernels):
+    B, T = tokens_BT.shape
+    pos_BT = positions(valid_BT, cache.next_pos)
     x, kv, state = extend_layers(params, cfg, params["embed"][tokens_BT], valid_BT, cache.kv,
-                                 pos_BT, slots, method, state, kernels)
-    cache = kvcache.KVCache.of(kv, end=cache.end + T, next_pos=cache.next_pos + jnp.sum(
-        valid_BT, axis=1, dtype=jnp.int32))
+                                 pos_BT, _slots(cache, state, cfg, method, B, T), method,
+                                 state, kernels)
+    cache = _advanced(kv, cache, valid_BT)
     state = method.after_layers(cfg, cache, state, cfg.num_layers)
     return transformer.unembed(params, cfg, x[:, -1]), cache, state
 
@@ -164,19 +176,15 @@ def decode_segment(params, cache, carry, state=None, *, cfg: ModelConfig, method
         tok, live, stopped, rng = _next_token(carry["logits"], carry["rng"], carry["done"], cfg,
                                               sampling, stops)
         valid = live[:, None]
-        slots = method.decode_slots(cache, state, 1)
-        if slots is None:
-            slots = jnp.broadcast_to(cache.end, (cfg.num_layers, tok.shape[0],
-                                                 cfg.num_kv_heads, 1)).astype(jnp.int32)
         carry = dict(x=params["embed"][tok[:, None]], tok=tok, valid=valid, stopped=stopped,
-                     rng=rng, pos=positions(valid, cache.next_pos), slots=slots)
+                     rng=rng, pos=positions(valid, cache.next_pos),
+                     slots=_slots(cache, state, cfg, method, tok.shape[0], 1))
     x, kv, state = extend_layers(params, cfg, carry["x"], carry["valid"], cache.kv, carry["pos"],
                                  carry["slots"], method, state, kernels, span)
     cache = kvcache.KVCache.of(kv, cache.end, cache.next_pos)
     if b < cfg.num_layers:
         return {**carry, "x": x}, cache, method.after_layers(cfg, cache, state, b)
-    cache = kvcache.KVCache.of(kv, end=cache.end + 1, next_pos=cache.next_pos + jnp.sum(
-        carry["valid"], axis=1, dtype=jnp.int32))
+    cache = _advanced(kv, cache, carry["valid"])
     state = method.after_layers(cfg, cache, state, b)
     return (dict(tok=carry["tok"], stopped=carry["stopped"], rng=carry["rng"],
                  logits=transformer.unembed(params, cfg, x[:, -1])), cache, state)
