@@ -131,15 +131,16 @@ def pooling(records) -> str:
 
 
 def slim(path: Path) -> None:
-    """Drop what makes these records 50 KB each and says nothing here: the per-batch and
-    per-sample `layer_budgets` of methods whose budget is the same for every layer and head
-    (`--budget` for SnapKV, H2O, TOVA, StreamingLLM; Ada-SnapKV's per-head counts stay)."""
+    """Drop what makes these records 50 KB each and says nothing here: the per-batch
+    `layer_budgets` (the per-sample details repeat them), and the per-sample ones of methods
+    whose budget is the same for every layer and head (SnapKV, H2O, TOVA, StreamingLLM at
+    `--budget`; Ada-SnapKV's per-head counts stay)."""
     import json
 
     out = []
     for r in report.load_records(path):
+        (r.get("method_stats") or {}).pop("layer_budgets", None)
         if not r["method"].startswith("ada_"):
-            (r.get("method_stats") or {}).pop("layer_budgets", None)
             for d in r.get("details") or []:
                 d.pop("layer_budgets", None)
         out.append(json.dumps(r) + "\n")
