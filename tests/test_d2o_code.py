@@ -316,3 +316,27 @@ def test_engine_run_keeps_the_edge_layers_whole(depth):
     assert np.asarray(g.state["merges"]).sum() > 0 and np.asarray(g.state["discards"]).sum() > 0
     assert g.stats["layer_whole"][0] == whole.tolist()
     assert [x for x, w in zip(g.stats["layer_sizes"][0], whole) if not w] == s[~whole].tolist()
+
+
+@pytest.mark.parametrize("question", [False, True])
+def test_peeled_first_step_equals_the_one_program(pair, question, monkeypatch):
+    """The engine runs the code's first extension (the question chunk, else the first
+    decoding step) as its own program and the later steps without the bulk step's C-row
+    write (`extension_phases`): the same tokens and statistics as the single program that
+    chooses the bulk step under `lax.cond`."""
+    _, cfg, params = pair
+    m = methods.create("d2o_code", budget=BUDGET)
+    first, later = m.extension_phases()
+    assert (first.phase, later.phase) == ("first", "later") and first != later != m
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 97, N).tolist(), rng.integers(3, 97, N - 7).tolist()]
+    qs = [rng.integers(3, 97, 5).tolist(), rng.integers(3, 97, 3).tolist()] if question else None
+    kw = dict(questions=qs, max_new_tokens=STEPS, stop_ids=())
+    peeled = engine.run(params, cfg, prompts, m, **kw)
+    monkeypatch.setattr(type(m), "extension_phases", lambda self: None)
+    one = engine.run(params, cfg, prompts, m, **kw)
+    np.testing.assert_array_equal(np.asarray(peeled.tokens), np.asarray(one.tokens))
+    for key in ("layer_sizes", "layer_whole", "budget_gap", "layer_budgets"):
+        np.testing.assert_array_equal(np.asarray(peeled.stats[key]),
+                                      np.asarray(one.stats[key]), err_msg=key)
+    assert peeled.stats["kv_bytes_live"] == one.stats["kv_bytes_live"]

@@ -169,6 +169,14 @@ class Method:
         for it): by default, when a subclass overrides it."""
         return type(self).decode_layer is not Method.decode_layer
 
+    def extension_phases(self) -> "tuple[Method, Method] | None":
+        """(first, later): the method the engine runs for the cache's first extension (the
+        context-only question, else the first decoding step) and for every later one, each
+        compiled on its own; None: every extension alike. For a method whose first step
+        differs in shape (D2O's code: a bulk eviction rewriting the layer) this keeps the
+        first step's work out of the others, where a `lax.cond` would carry its shapes."""
+        return None
+
     def steps_on_host(self) -> bool:
         """True: decode is a host loop of compiled steps with `between_steps` before each
         (host <-> device copies cannot happen inside a `lax.while_loop`)."""

@@ -173,10 +173,13 @@ def _question(params, cfg, questions, Tq, method, cache, state, sharding, clock)
     return clock.timed(ext, params, cache, qt, qv, state)
 
 
-def _decode(params, cfg, cache, logits, state, method, max_new, sampling, stop_ids, seed, clock):
+def _decode(params, cfg, cache, logits, state, method, max_new, sampling, stop_ids, seed, clock,
+            first=None):
     """(tokens [B, max_new], counts [B], cache, state, the method's decode stats)."""
     rng = jax.random.PRNGKey(seed)
     if method.steps_on_host():
+        if first is not None:
+            raise ValueError(f"{method.name}: a host-loop decode takes no first-step phase")
         out, n, cache, state, host, c, used, secs = steps.host_decode(
             params, cfg, cache, logits, rng, state, method=method, max_new=max_new,
             sampling=sampling, stop_ids=stop_ids, kernels=clock.config)
@@ -185,7 +188,8 @@ def _decode(params, cfg, cache, logits, state, method, max_new, sampling, stop_i
         clock.decode_s += secs
         return out, n, cache, host, method.decode_stats(host, state)
     dec = clock.compiled(steps.decode, (params, cache, logits, rng, state), cfg=cfg,
-                         method=method, max_new=max_new, sampling=sampling, stop_ids=stop_ids)
+                         method=method, max_new=max_new, sampling=sampling, stop_ids=stop_ids,
+                         first=first)
     out, n, cache, state = clock.timed(dec, params, cache, logits, rng, state, phase="decode_s")
     return out, n, cache, state, method.decode_stats(None, state)
 
@@ -277,16 +281,20 @@ def run(
     clock = _Clock(kernels)
     logits, cache, state, stats = _prefill(params, cfg, prompts, method, Tq, max_new_tokens,
                                            shrink, batch_sharding, clock, head_mesh)
+    # a method whose first extension differs (`extension_phases`): the question, else the
+    # first decoding step, runs `first`; every later step `later`
+    first, later = method.extension_phases() or (None, method)
     if questions:
-        logits, cache, state = _question(params, cfg, questions, Tq, method, cache, state,
-                                         batch_sharding, clock)
+        logits, cache, state = _question(params, cfg, questions, Tq, first or method, cache,
+                                         state, batch_sharding, clock)
+        first = None
     # the padding's rows out of the count (the mask alone: no copy of the cache)
     live_after_prefill = kvcache.kv_bytes(dataclasses.replace(cache, valid=cache.valid[:, :B]))
     out, n, decode_stats = np.zeros((padded, 0), np.int32), np.zeros(padded, int), {}
     if max_new_tokens > 0:
         out, n, cache, state, decode_stats = _decode(
-            params, cfg, cache, logits, state, method, max_new_tokens, sampling, stop_ids,
-            seed, clock)
+            params, cfg, cache, logits, state, later, max_new_tokens, sampling, stop_ids,
+            seed, clock, first)
     out, n = distributed.to_host(out)[:B], distributed.to_host(n)[:B]
     steps_run = min(int(n.max()) + 1, max_new_tokens) if max_new_tokens else 0
     stats = {

@@ -128,15 +128,17 @@ def _next_token(logits, rng, done, cfg: ModelConfig, sampling: Sampling, stops):
     return tok, ~done, jnp.isin(tok, stops), rng
 
 
-@partial(jax.jit, static_argnames=("cfg", "method", "max_new", "sampling", "stop_ids", "kernels"),
-         donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("cfg", "method", "max_new", "sampling", "stop_ids", "kernels",
+                                   "first"), donate_argnames=("cache",))
 def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, method: Method,
            max_new: int, sampling: Sampling, stop_ids: tuple[int, ...],
-           kernels: Kernels = Kernels()):
+           kernels: Kernels = Kernels(), first: Method | None = None):
     """Generate up to `max_new` tokens in one `lax.while_loop`.
 
-    Returns tokens [B, max_new] (pad after a stop token), the number of tokens each element
-    generated before its stop token, the cache and the method state.
+    `first`: the method of the first step, run once before the loop (`method` then runs
+    the rest; `Method.extension_phases`). Returns tokens [B, max_new] (pad after a stop
+    token), the number of tokens each element generated before its stop token, the cache
+    and the method state.
     """
     B = logits_BV.shape[0]
     stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
@@ -145,18 +147,20 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
         step, _, _, _, done, _, _, _ = c
         return (step < max_new) & ~jnp.all(done)
 
-    def body(c):
+    def body(c, m=method):
         step, cache, logits, out, done, n, rng, st = c
         tok, live, stopped, rng = _next_token(logits, rng, done, cfg, sampling, stops)
         out = out.at[:, step].set(tok)
         n = n + (live & ~stopped)
-        logits, cache, st = _extend(params, cache, tok[:, None], live[:, None], cfg, method, st,
+        logits, cache, st = _extend(params, cache, tok[:, None], live[:, None], cfg, m, st,
                                     kernels)
         return step + 1, cache, logits, out, done | stopped, n, rng, st
 
     out = jnp.full((B, max_new), cfg.pad_token_id, jnp.int32)
     init = (jnp.int32(0), cache, logits_BV, out, jnp.zeros((B,), bool),
             jnp.zeros((B,), jnp.int32), rng, state)
+    if first is not None and max_new > 0:
+        init = body(init, first)
     _, cache, _, out, _, n, _, state = jax.lax.while_loop(cond, body, init)
     return out, n, cache, state
 

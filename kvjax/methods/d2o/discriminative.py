@@ -68,17 +68,19 @@ its compacted cache -- here it evicts one entry per step like every other layer;
 ratios are fp32 (the code computes them in the model's dtype); H_l is raised to T when the
 floors give fewer (the code would keep H_l of the T sinks).
 
-Fixed shapes. `d2o_code` allocates n + question + max_new slots (its whole layers grow) and
-its decode hook runs the bulk step under `lax.cond` on a step counter (`steps`, counted by
-`after_step`), so the program compiles once. The bulk step's nearest-neighbour search is
-blockwise over the sources (`nearest_blocked`, [block, C] at once); its merge rewrites the
-layer's rows, so the hook returns `Rows` of C rows at every step (the other steps fill one
-row per new token and drop the rest): a per-layer row scatter, never a copy of the cache,
-but C rows where `d2o` writes one (measured on CPU, the bundled model, n = 2048, the same
-2248 slots: ~1.3-1.6x the `d2o` step; a one-off engine hook for the first step would
-remove it). `d2o` keeps the decode step of a plain evictor: at most T (new tokens)
-entries per head go per step, U_t is [B, K, T, C], and only the merge targets' rows are
-written.
+Fixed shapes. `d2o_code` allocates n + question + max_new slots (its whole layers grow).
+The engine runs its first extension (the question chunk, else the first decoding step) as
+one program with the bulk step and the later steps as another, with one row per head and
+step (`extension_phases`); called outside the engine its decode hook chooses the bulk step
+under `lax.cond` on a step counter (`steps`, counted by `after_step`). The bulk step's
+nearest-neighbour search is blockwise over the sources (`nearest_blocked`, [block, C] at
+once); its merge rewrites the layer's rows, so the hook returns `Rows` of C rows at every
+step (the other steps fill one row per new token and drop the rest): a per-layer row
+scatter, never a copy of the cache, but C rows where `d2o` writes one (measured on CPU,
+the bundled model, n = 2048, the same 2248 slots: ~1.3-1.6x the `d2o` step under the
+`lax.cond`; the engine's two programs write one row a step after the first). `d2o` keeps
+the decode step of a plain evictor: at most T (new tokens) entries per head go per step,
+U_t is [B, K, T, C], and only the merge targets' rows are written.
 
 Method state: acc [L,B,K,C], tau [L,B,K] ("head") or [L,B] ("layer"), budget S_l and
 recent M_l [L,B], whole [L,B] (layers kept whole), merges / discards [L,B] (decode only;
@@ -88,6 +90,7 @@ the prefill's are in the stats); `d2o_code` adds ratio r_l, sized_from S [L,B] a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import ClassVar
 
@@ -177,6 +180,16 @@ class D2O(DecodeEviction):
         from the back at every depth (the code's layers 0, 1 and L-1: (2, 1))."""
         layer = np.arange(L)
         return (layer < self.full_first) | (layer >= L - self.full_last)
+
+    # "any": the first extension under a `lax.cond` on the step counter (one program);
+    # "first" / "later": the engine's two programs (`extension_phases`)
+    phase: ClassVar[str] = "any"
+
+    def extension_phases(self):
+        if self.evict_at != "first_step" or self.phase != "any":
+            return None
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return _phased(type(self), "first")(**fields), _phased(type(self), "later")(**fields)
 
     def _grows(self) -> bool:
         """Some layer may keep every entry and grow while decoding."""
@@ -354,8 +367,11 @@ class D2O(DecodeEviction):
         take, put = io.at_layer, io.set_layer
         acc = take(st["acc"]) + scoring.gqa_reduce(query_sum(probs, io.qvalid), self.gqa)
         lay = {key: take(st[key]) for key in ("tau", "budget", "recent", "whole")}
-        if self.evict_at == "prefill":
+        if self.evict_at == "prefill" or self.phase == "later":
             k, v, kept, acc, new, nm, nd = self._evict(io, acc, lay, pad=False)
+        elif self.phase == "first":
+            lay["ratio"], lay["sized_from"] = take(st["ratio"]), take(st["sized_from"])
+            k, v, kept, acc, new, nm, nd = self._bulk(io, acc, lay)
         else:  # the first extension evicts in bulk; one compiled program for both
             lay["ratio"], lay["sized_from"] = take(st["ratio"]), take(st["sized_from"])
             k, v, kept, acc, new, nm, nd = jax.lax.cond(
@@ -447,6 +463,14 @@ class D2O(DecodeEviction):
         rho_S = self.budget * S[0] / np.asarray(st["prompt"])  # rho * S, rho = budget / n
         return {"layer_sizes": s.T.tolist(), "layer_whole": whole.T.tolist(),
                 "budget_gap": (rho_S * L - s.sum(0)).tolist()}
+
+
+@functools.cache
+def _phased(cls: type, phase: str) -> type:
+    """`cls` running only its first extension ("first") or only the later ones ("later"):
+    another class, so the engine's compile cache tells the two programs apart."""
+    return dataclasses.dataclass(frozen=True)(type(f"{cls.__name__}_{phase}", (cls,),
+                                                   {"phase": phase, "__module__": __name__}))
 
 
 @register
