@@ -6,7 +6,7 @@ exist yet says so.
 
     nice bash scripts/sweeps_smollm2.sh        # the sweeps (resumable), ~6 s a sample on 2 cores
     python scripts/smollm2_results.py          # the two sections
-    python scripts/smollm2_results.py --slim F.jsonl   # drop uniform layer_budgets (size)
+    python scripts/smollm2_results.py --slim F.jsonl  # drop uniform layer_budgets (size)
 
 The rows are judged as `scripts/calibrate.py` judges them (its docstring): 95% Wilson
 intervals, a difference inside them a tie.
@@ -149,10 +149,17 @@ def slim(path: Path) -> None:
     tmp.replace(path)
 
 
-def main() -> int:
-    if sys.argv[1:2] == ["--slim"]:
-        for f in sys.argv[2:]:
-            slim(Path(f))
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--slim", nargs="+", type=Path, metavar="FILE",
+                   help="only drop the uniform layer_budgets of these records files")
+    a = p.parse_args(argv)
+    if a.slim:
+        for f in a.slim:
+            slim(f)
         return 0
     records = load()
     report.replace_section(ROOT / "MODEL.md", "smollm2-calibration", calibration(records))

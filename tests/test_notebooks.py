@@ -60,7 +60,11 @@ def test_readme_links_every_notebook_in_colab():
 
 @pytest.mark.skipif(not (BUNDLED_DIR / "tiny-retrieval" / "config.json").exists(),
                     reason="the notebooks use the bundled model, not built in this checkout")
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+# compare_methods (~50 s) and multi_device (~20 s; test_multidevice covers its meshes) run
+# with the slow tests: CI keeps quickstart and bring_your_own_checkpoint
+@pytest.mark.parametrize("path", [
+    pytest.param(p, marks=pytest.mark.slow) if p.stem in ("compare_methods", "multi_device")
+    else p for p in NOTEBOOKS], ids=lambda p: p.stem)
 def test_notebook_runs(path):
     """Every code cell, top to bottom, in a fresh interpreter (the multi-device notebook
     sets XLA_FLAGS before jax is imported); 20-120 s each on a 2-core CPU."""

@@ -174,6 +174,7 @@ def test_grow_keeps_the_function():
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
 
 
+@pytest.mark.slow  # ~35 s; test_loss_decreases_and_resume_is_identical runs in CI
 def test_resume_across_growth_is_identical(tmp_path):
     cfg = {"model": {**CONFIG["model"], "num_layers": 3},
            "train": {**CONFIG["train"], "layers": [[0, 1], [4, 3]]}}
@@ -189,6 +190,7 @@ def test_resume_across_growth_is_identical(tmp_path):
         assert _leaves_equal(resumed["opt_state"], full["opt_state"])
 
 
+@pytest.mark.slow  # ~35 s; test_loss_decreases_and_resume_is_identical runs in CI
 def test_a_warm_restart_seeded_from_an_export_equals_the_uninterrupted_run(tmp_path):
     """A same-depth phase (`layers` [6, 3, lr]) starts fresh moments and its own schedule,
     so the exported weights of its first step are the whole state: a run seeded from them
