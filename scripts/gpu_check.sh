@@ -17,7 +17,7 @@ mkdir -p /tmp/v /tmp/hlo
 variant base XLA_DUMP=0 "XLA_FLAGS=--xla_dump_to=/tmp/hlo --xla_dump_hlo_module_re=.*decode.*"
 variant dsf XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true
 variant dsf_cublas "XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true --xla_gpu_enable_triton_gemm=false"
-variant unroll KVJAX_UNROLL_DECODE=1
+# (run 2 also timed the decode layer scan unrolled, a switch that existed at e94d912 only)
 } 2>&1 | tee $OUT/variants.txt
 f=$(ls -S /tmp/hlo/*jit_decode*after_optimizations.txt 2>/dev/null | head -1)
 [ -n "$f" ] && gzip -c "$f" > $OUT/decode_hlo.txt.gz

@@ -183,8 +183,6 @@ def extend_layers(
     shapes = jax.eval_shape(step, x, kv, state, jnp.int32(a))[3]
     rows = jax.tree.map(lambda s: jnp.full(s.shape, C, s.dtype) if s.dtype == jnp.int32
                         else jnp.zeros(s.shape, s.dtype), shapes)  # nothing to flush
-    import os  # EXPERIMENT (GPU decode copies): unrolled layer loop
-    (x, kv, state, rows), _ = jax.lax.scan(body, (x, kv, state, rows), jnp.arange(a, b),
-                                           unroll=bool(os.environ.get("KVJAX_UNROLL_DECODE")))
+    (x, kv, state, rows), _ = jax.lax.scan(body, (x, kv, state, rows), jnp.arange(a, b))
     kv = flush(kv, b - 1, rows)
     return x, kv, state
