@@ -185,6 +185,7 @@ def test_batch_selects_per_element(pair):
         assert one.stats["selection_layer"][0] == batch.stats["selection_layer"][i]
 
 
+@pytest.mark.slow  # ~40 s of compiles; the reference tests above run in CI
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(k=st.integers(12, 100), seed=st.integers(0, 9), variant=st.sampled_from(["asl", "asl_2pass"]))
 def test_invariants(pair, k, seed, variant):
@@ -253,7 +254,8 @@ def test_bad_input(pair):
             engine.run(params, cfg, [ids], methods.create("asl", **kw), max_new_tokens=1)
 
 
-@pytest.mark.parametrize("name,kw", [("asl", dict(window=8, tau=0.98)), ("fastkv", {})])
+@pytest.mark.parametrize("name,kw", [("asl", dict(window=8, tau=0.98)),
+                                     pytest.param("fastkv", {}, marks=pytest.mark.slow)])
 def test_length_defaults_compile_once_per_bucket(pair, name, kw):
     """ASL's `select_fraction` and FastKV's rates resolve from the engine bucket's length
     (`budgets.length_scale`), not the raw prompt length: over 50 prompts of different

@@ -218,6 +218,7 @@ def test_pad_batch_and_parse_mesh():
         distributed.as_mesh(3)
 
 
+@pytest.mark.slow  # a benchmark's run (~25 s); the meshes' results are tested above
 def test_scaling_benchmark_runs_every_mesh(tmp_path):
     """`python -m kvjax.bench.multidevice` on 4 emulated devices: a row per method and mesh,
     each mesh's tokens equal to one device's (the speed figures are not checked: emulated
