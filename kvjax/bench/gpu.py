@@ -368,14 +368,21 @@ def main(argv=None) -> int:
                                 for kind, xs in (("run", runs), ("row", rows),
                                                  ("roofline", roof)) for x in xs))
 
-    big = shape_8b(a.roofline_layers, a.small, max(contexts) + 64)
     cases = ([tuple(int(v) for v in c.split("x")) for c in a.roofline_cases.split(",")]
              if a.roofline_cases else [(n, 1) for n in contexts] + [(min(contexts), 8)])
+    models: dict = {}  # one random model per depth for the run (an 8B init takes seconds)
+
+    def model_of(layers: int):
+        if layers not in models:
+            models[layers] = random_model(shape_8b(layers, a.small, max(contexts) + 64),
+                                          jnp.bfloat16)
+        return models[layers]
+
     for i, step in enumerate(steps):
         until = deadline - sum(RESERVE_S[s] for s in steps[i + 1:])
         print(f"[{time.perf_counter() - start:5.0f} s] {step}", file=sys.stderr, flush=True)
         if step in ("roofline", "profile"):
-            model = random_model(big, jnp.bfloat16)
+            model = model_of(a.roofline_layers)
             if step == "roofline":
                 roof += [dict(r, run=run) for r in roofline(model, cases, until, rates)]
             elif time.perf_counter() < until - 30:
@@ -383,18 +390,20 @@ def main(argv=None) -> int:
                     env["profile"] = profile(model, max(contexts), a.out.parent)
                 except Exception:
                     env["profile"] = traceback.format_exc(limit=4)
-            del model
             engine.clear_compiled()
         elif step in ("methods", "xla"):
-            model = random_model(shape_8b(a.layers, a.small, max(contexts) + 64), jnp.bfloat16)
             which = (names, "auto") if step == "methods" else (a.xla_methods.split(","), "xla")
             rows += [dict(r, run=run) for r in run_methods(
-                model, which[0], contexts, (which[1],), until, 8, rates[1])]
-            del model
+                model_of(a.layers), which[0], contexts, (which[1],), until, 8, rates[1])]
         elif step == "kernels" and time.perf_counter() < until - 20:
             env["kernels"] = kernel_bench(a.small, contexts)
         elif step == "tests":
             env["tests"] = run_tests(a.tests, deadline)
+        later = set(steps[i + 1:])  # free the models no later step uses (device memory)
+        need = ({a.roofline_layers} if later & {"roofline", "profile"} else set()) | (
+            {a.layers} if later & {"methods", "xla"} else set())
+        for k in set(models) - need:
+            del models[k]
         save()
     save()
     print(f"wrote {a.out} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
