@@ -27,9 +27,12 @@ from kvjax.report import _weights
 from kvjax.run_args import (EXIT_USAGE, UsageError, _check_scope, _mesh, check_tasks, parse_args,
                             split_pairs)
 from kvjax.run_records import Output, _check_resume, _kept, _one_line
-from kvjax.run_signals import (_PENDING, _check_signals, _exit, _on_sigint, _on_sigterm,
+from kvjax.run_signals import (_PENDING, _exit, _on_sigint, _on_sigterm,
                                _sigint_deferred, _stop_status, _stopped)
-from kvjax.run_sweep import Job, _configured, _settings, evaluate, job_key, plan
+from kvjax.run_sweep import Job, _configured, _settings, job_key, measure, plan
+
+# compiled programs a sweep keeps before it drops them all (see `_run`)
+MAX_EXECUTABLES = 150
 
 
 def main(argv=None) -> int:
@@ -144,21 +147,13 @@ def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
     t0 = time.perf_counter()
     meta = lambda: {"wall_s": time.perf_counter() - t0, "args": {  # noqa: E731
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    finished = 0
+    finished, at = 0, {}
     try:
         with tqdm(total=sum(len(j.data.samples) for j in jobs), disable=args.no_progress,
                   unit="sample",
                   file=sys.stderr) as pbar:
-            held = None
-            for job in jobs:
-                _check_signals()
-                # one (method, budget)'s executables at a time (vm.max_map_count); its tasks
-                # and contexts follow each other and share them
-                if (job.method, job.budget, job.ratio) != held:
-                    engine.clear_compiled()
-                    held = (job.method, job.budget, job.ratio)
-                pbar.set_description(job.label())
-                rec = evaluate(model, job, args, settings, pbar)
+            pbar.set_description(f"{len(jobs)} records")
+            for job, rec in measure(model, jobs, args, settings, pbar, at):
                 with _sigint_deferred():  # on disk and counted, or neither
                     out.add(rec, meta())
                     finished += 1
@@ -167,6 +162,10 @@ def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
                            f"kv={rec['kv_fraction']:.3f} ttft={rec['ttft_s']*1e3:.1f}ms "
                            f"tpot={(rec['tpot_s'] or 0)*1e3:.2f}ms"
                            + (f"  note: {rec['note']}" if "note" in rec else ""))
+                # executables stay mapped: a sweep that held ~110 (method, budget) pairs'
+                # ran out of memory maps (`engine.clear_compiled`)
+                if engine.compiled_count() > MAX_EXECUTABLES:
+                    engine.clear_compiled()
     except KeyboardInterrupt as e:
         if args.debug:
             raise
@@ -175,7 +174,7 @@ def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
     except Exception as e:
         what = _one_line(e) if isinstance(e, (ValueError, OSError)) else \
             f"internal error, {type(e).__name__}: {_one_line(e)} (--debug shows the traceback)"
-        raise UsageError(f"{jobs[finished].label()} failed: {what}; "
+        raise UsageError(f"{at.get('job', jobs[0]).label()} failed: {what}; "
                          f"{_kept(out, finished, len(jobs))}") from e
     out.write(meta(), complete=True)
     if args.output:

@@ -132,7 +132,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a method hyperparameter, typed as the method's field "
                         "(repeatable)")
-    p.add_argument("--batch-size", type=_INT(1), default=8)
+    p.add_argument("--batch-size", type=_INT(1), default=8,
+                   help="samples per engine call, padded to a common length bucket (the "
+                        "records equal batch 1's)")
+    p.add_argument("--no-share-prefill", action="store_true",
+                   help="run each method's own prefill; by default the methods that "
+                        "compress after the full prefill share one per batch of samples "
+                        "(docs/design.md, 'Shared prefill'; the same tokens)")
     p.add_argument("--max-new-tokens", type=_INT(0), default=None,
                    help="default: what each task's answer needs (0 generates nothing)")
     p.add_argument("--output", type=Path, default=None,

@@ -270,93 +270,147 @@ def _configured(name: str, extra: dict[str, str], args):
 # ---- measuring one job ------------------------------------------------------------------
 
 
-def evaluate(model, job: Job, args, settings: dict, pbar=None) -> dict:
-    """Run the job's batches and return its record."""
-    from kvjax import engine, tasks
+def measure(model, jobs: list[Job], args, settings: dict, pbar=None, at: dict | None = None):
+    """Run the jobs and yield (job, record) as each finishes. The jobs on the same prompts
+    (a task at a context) go batch by batch together: each batch's full prefill runs once
+    for every method that compresses after it (`kvjax.engine.shared`; not with --mesh or
+    --no-share-prefill), and a job's record is yielded after its last batch. `at["job"]`
+    names the job running (for an error's message)."""
+    from kvjax.engine import shared
     from kvjax.pallas import Kernels
 
-    d, n = job.data, len(job.data.samples)
-    per_sample: list = [None] * n
-    ttft, tpot, live, alloc, full, kernels, compile_s = [], [], [], [], [], [], 0.0
-    extra_stats: dict[str, list] = {}
-    used, dtype = {}, None
-    for method, idx in job.batches:
+    at = at if at is not None else {}
+    share = not args.no_share_prefill and model.mesh is None
+    groups: dict = {}
+    for job in jobs:
+        groups.setdefault(id(job.data), []).append(job)
+    for group in groups.values():
+        results = {id(j): _Result(j) for j in group}
+        left = {id(j): len(j.batches) for j in group}
+        order = list(dict.fromkeys(tuple(idx) for j in group for _, idx in j.batches))
+        for idx in order:
+            runs = [(j, m) for j in group for m, i in j.batches if tuple(i) == idx]
+            sharing = [k for k, (j, m) in enumerate(runs)
+                       if shared.shares(_resolved(m, j.data, list(idx)))]
+            pre = None
+            if share and len(sharing) > 1:
+                at["job"] = runs[sharing[0]][0]
+                pre = shared.prefill(model.params, model.cfg,
+                                     [group[0].data.prompts[i] for i in idx],
+                                     Kernels.every(args.kernels))
+                _check_signals()
+            for k, (job, method) in enumerate(runs):
+                at["job"] = job
+                results[id(job)].add(model, method, list(idx), args,
+                                     pre if k in sharing else None)
+                if pbar is not None:
+                    pbar.update(len(idx))
+                left[id(job)] -= 1
+                if not left[id(job)]:
+                    yield job, results[id(job)].record(model, args, settings)
+            del pre  # one batch's recorded prefill alive at a time
+
+
+class _Result:
+    """One job's batches as they finish, then its record."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.per_sample: list = [None] * len(job.data.samples)
+        self.ttft, self.own, self.tpot, self.kernels = [], [], [], []
+        self.live, self.alloc, self.full = [], [], []
+        self.compile_s, self.extra_stats, self.used, self.dtype, self.mesh = 0.0, {}, {}, None, None
+
+    def add(self, model, method, idx: list[int], args, prefilled=None) -> None:
+        from kvjax import engine, tasks
+        from kvjax.pallas import Kernels
+
+        job, d = self.job, self.job.data
         gen = engine.run(model.params, model.cfg, [d.prompts[i] for i in idx], method,
                          questions=None if d.questions is None else
                          [d.questions[i] for i in idx],
                          max_new_tokens=max(d.max_new[i] for i in idx),
-                         kernels=Kernels.every(args.kernels), mesh=model.mesh)
+                         kernels=Kernels.every(args.kernels), mesh=model.mesh,
+                         prefilled=prefilled)
         _check_signals()
         st = gen.stats
         ran = _resolved(method, d, idx)
-        used[ran] = budget_of(ran, job.budget if job.budget is not None else
-                              _ratio_budget(job, d.prompts[idx[0]]))
-        dtype = str(gen.cache.k.dtype)
-        compile_s += st["compile_s"]
-        ttft.append(st["ttft_s"])
-        tpot += [st["tpot_s"]] if st["tpot_s"] is not None else []
-        live.append(st["kv_bytes_live"] / len(idx))
-        alloc.append(st["kv_bytes_allocated"] / len(idx))
-        full.append(st["kv_bytes_full"] / len(idx))
-        kernels.append(st["kernels"])
+        self.used[ran] = budget_of(ran, job.budget if job.budget is not None else
+                                   _ratio_budget(job, d.prompts[idx[0]]))
+        self.dtype, self.mesh = str(gen.cache.k.dtype), st["mesh"]
+        self.compile_s += st["compile_s"]
+        self.ttft.append(st["ttft_s"])
+        self.own.append(st["ttft_own_s"])
+        self.tpot += [st["tpot_s"]] if st["tpot_s"] is not None else []
+        self.live.append(st["kv_bytes_live"] / len(idx))
+        self.alloc.append(st["kv_bytes_allocated"] / len(idx))
+        self.full.append(st["kv_bytes_full"] / len(idx))
+        self.kernels.append(st["kernels"])
         for k, v in st.items():
             if k not in engine.ENGINE_STATS:
-                extra_stats.setdefault(k, []).append(v)
+                self.extra_stats.setdefault(k, []).append(v)
         for j, (i, toks) in enumerate(zip(idx, gen.tokens)):
             s = d.samples[i]
             pred = model.decode(toks)
             score = tasks.score(job.task, pred, s.answer) if d.spec is None or \
                 d.spec.synthetic else tasks.score_sample(s, pred)
             rec = {"prediction": pred, "answer": s.answer, "score": score,
-                   "correct": bool(score == 1.0), "depth": s.depth, "budget": used[ran]}
+                   "correct": bool(score == 1.0), "depth": s.depth, "budget": self.used[ran]}
             if d.spec is not None and not d.spec.synthetic:
                 rec.update(_sample_id(s))
             for k, v in st.items():
                 if k not in (*engine.ENGINE_STATS, *BULKY_STATS) and isinstance(v, list) \
                         and len(v) == len(idx):
                     rec[k] = v[j]
-            per_sample[i] = rec
-        if pbar is not None:
-            pbar.update(len(idx))
-    budgets = sorted(set(used.values()), key=lambda v: (v is None, v or 0))
-    record = {
-        "method": job.method,
-        "budget": budgets[0] if len(budgets) == 1 else budgets,
-        "ratio": job.ratio,
-        "scenario": args.scenario,
-        "task": job.task,
-        "context_length": job.context,
-        "samples": n,
-        "seed": args.seed,
-        "max_new_tokens": max(d.max_new),
-        "prompt_tokens": _prompt_tokens(d),
-        "accuracy": float(np.mean([r["score"] for r in per_sample])),
-        "kv_bytes_live": float(np.mean(live)),
-        "kv_bytes_allocated": float(np.mean(alloc)),
-        "kv_bytes_full": float(np.mean(full)),
-        "kv_fraction": float(np.mean(live) / np.mean(full)),
-        "ttft_s": float(np.mean(ttft)),
-        "tpot_s": float(np.mean(tpot)) if tpot else None,
-        "compile_s": compile_s,
-        "method_stats": {k: v for k, v in extra_stats.items() if k not in BULKY_STATS},
-        "kernels": merge_kernels(kernels),
-        "dtype": dtype,
-        "mesh": st["mesh"],  # {data, model, compression: shard_map | xla}, null: one device
-        "method_params": dataclasses.asdict(next(iter(used))),
-        "model": model.name,
-        "model_weights": _provenance(str(model.path) if model.path else None),
-        "versions": _versions(),
-        "machine": dict(_machine()),
-        "job": json.loads(job_key(job, settings)),
-    }
-    if d.spec is not None and not d.spec.synthetic:
-        record.update(_benchmark_fields(d, per_sample, args))
-    record["chat_template"] = bool(args.chat_template)
-    if job.budget is None and job.ratio is None and (args.budget or args.ratio):
-        record["note"] = f"{job.method} takes no budget: --budget/--ratio not applied"
-    if args.details:
-        record["details"] = per_sample
-    return record
+            self.per_sample[i] = rec
+
+    def record(self, model, args, settings: dict) -> dict:
+        job, d, per_sample = self.job, self.job.data, self.per_sample
+        budgets = sorted(set(self.used.values()), key=lambda v: (v is None, v or 0))
+        shared = [o is not None for o in self.own]
+        record = {
+            "method": job.method,
+            "budget": budgets[0] if len(budgets) == 1 else budgets,
+            "ratio": job.ratio,
+            "scenario": args.scenario,
+            "task": job.task,
+            "context_length": job.context,
+            "samples": len(per_sample),
+            "seed": args.seed,
+            "max_new_tokens": max(d.max_new),
+            "prompt_tokens": _prompt_tokens(d),
+            "accuracy": float(np.mean([r["score"] for r in per_sample])),
+            "kv_bytes_live": float(np.mean(self.live)),
+            "kv_bytes_allocated": float(np.mean(self.alloc)),
+            "kv_bytes_full": float(np.mean(self.full)),
+            "kv_fraction": float(np.mean(self.live) / np.mean(self.full)),
+            "ttft_s": float(np.mean(self.ttft)),
+            # "shared": the full prefill ran once for the sweep's methods on these prompts
+            # and ttft_own_s is this method's compression alone (ttft_s: the two together)
+            "prefill": "shared" if all(shared) else "own" if not any(shared) else "mixed",
+            "ttft_own_s": float(np.mean([o for o in self.own if o is not None]))
+            if any(shared) else None,
+            "tpot_s": float(np.mean(self.tpot)) if self.tpot else None,
+            "compile_s": self.compile_s,
+            "method_stats": {k: v for k, v in self.extra_stats.items() if k not in BULKY_STATS},
+            "kernels": merge_kernels(self.kernels),
+            "dtype": self.dtype,
+            "mesh": self.mesh,  # {data, model, compression: shard_map | xla}, null: one device
+            "method_params": dataclasses.asdict(next(iter(self.used))),
+            "model": model.name,
+            "model_weights": _provenance(str(model.path) if model.path else None),
+            "versions": _versions(),
+            "machine": dict(_machine()),
+            "job": json.loads(job_key(job, settings)),
+        }
+        if d.spec is not None and not d.spec.synthetic:
+            record.update(_benchmark_fields(d, per_sample, args))
+        record["chat_template"] = bool(args.chat_template)
+        if job.budget is None and job.ratio is None and (args.budget or args.ratio):
+            record["note"] = f"{job.method} takes no budget: --budget/--ratio not applied"
+        if args.details:
+            record["details"] = per_sample
+        return record
 
 
 def _sample_id(s) -> dict:

@@ -6,7 +6,9 @@
   set between layers (ASL/FastKV/GemFilter; SlimInfer/LazyLLM);
 - `steps`: the compiled programs (prefill + compression, a chunk on the cache, the
   decode loop, and the per-step form of it for methods with host work between steps);
-- `driver`: `run`, one generation from token ids to tokens and statistics.
+- `shared`: one full prefill recorded for every method that compresses after it;
+- `driver`: `run`, one generation from token ids to tokens and statistics (`run_methods`:
+  several methods on the same prompts, sharing the prefill).
 """
 
 from kvjax.engine.driver import (  # noqa: F401
@@ -16,8 +18,9 @@ from kvjax.engine.driver import (  # noqa: F401
     check_request,
     check_tokens,
     run,
+    run_methods,
 )
-from kvjax.engine.executables import clear_compiled, compile_once  # noqa: F401
+from kvjax.engine.executables import clear_compiled, compile_once, compiled_count  # noqa: F401
 from kvjax.engine.inputs import bucket, pad_left, positions  # noqa: F401
 from kvjax.engine.sampling import Sampling, sample  # noqa: F401
 from kvjax.engine.steps import (  # noqa: F401
@@ -29,6 +32,6 @@ from kvjax.engine.steps import (  # noqa: F401
 )
 
 __all__ = ["ENGINE_STATS", "Generation", "Sampling", "bucket", "check_method",
-           "check_request", "check_tokens", "clear_compiled", "compile_once",
+           "check_request", "check_tokens", "clear_compiled", "compile_once", "compiled_count",
            "compress_prompt", "decode", "decode_segment", "extend", "pad_left", "positions",
-           "prefill", "run", "sample"]
+           "prefill", "run", "run_methods", "sample"]

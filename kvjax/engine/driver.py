@@ -9,8 +9,6 @@ is recorded (`kernels`).
 from __future__ import annotations
 
 import dataclasses
-import time
-import warnings
 from typing import Any
 
 import jax
@@ -20,15 +18,16 @@ from kvjax import distributed
 from kvjax.compress import cache as kvcache
 from kvjax.compress.method import Method
 from kvjax.config import ModelConfig
-from kvjax.engine import steps
+from kvjax.engine import shared, steps
+from kvjax.engine.clock import Clock
 from kvjax.engine.executables import compile_once
 from kvjax.engine.inputs import bucket, pad_left
 from kvjax.engine.sampling import Sampling
 from kvjax.pallas.dispatch import Kernels
 
 # keys of `Generation.stats` that the engine itself measures (the rest come from the method)
-ENGINE_STATS = ("kv_bytes_live", "kv_bytes_allocated", "kv_bytes_full", "ttft_s", "tpot_s",
-                "compile_s", "prompt_tokens", "kernels", "mesh")
+ENGINE_STATS = ("kv_bytes_live", "kv_bytes_allocated", "kv_bytes_full", "ttft_s", "ttft_own_s",
+                "tpot_s", "compile_s", "prompt_tokens", "kernels", "mesh")
 
 
 @dataclasses.dataclass
@@ -37,48 +36,6 @@ class Generation:
     cache: kvcache.KVCache
     stats: dict[str, Any]
     state: Any = None  # the method's state after the last step (host bookkeeping if any)
-
-
-@dataclasses.dataclass
-class _Clock:
-    """What the phases of one run measured: time to first token, compilation, decoding,
-    and the kernel ops the compiled programs used; and the run's kernel choices, which a
-    kernel that fails to compile turns to xla (`compiled`)."""
-
-    config: Kernels = Kernels()
-    ttft_s: float = 0.0
-    compile_s: float = 0.0
-    decode_s: float = 0.0
-    kernels: set = dataclasses.field(default_factory=set)
-
-    def compiled(self, fn, args, **static):
-        """`fn` compiled with the run's kernels. A Pallas kernel that `auto` picked but
-        that fails to lower or compile on this backend and jax version is replaced by the
-        xla reference, for this program and the run's later ones, with one warning naming
-        the ops and the reason; a kernel asked for by name raises."""
-        try:
-            exe, secs, used = compile_once(fn, args, kernels=self.config, **static)
-        except Exception as e:
-            fallback = self.config.fallback()
-            if fallback == self.config:
-                raise
-            ops = [f.name for f in dataclasses.fields(Kernels)
-                   if getattr(fallback, f.name) != getattr(self.config, f.name)]
-            warnings.warn(f"kvjax: the {', '.join(ops)} kernel(s) that `auto` picked failed to "
-                          f"compile on {jax.default_backend()} (jax {jax.__version__}): "
-                          f"{type(e).__name__}: {str(e)[:300]}; running xla for them",
-                          RuntimeWarning, stacklevel=3)
-            self.config = fallback
-            exe, secs, used = compile_once(fn, args, kernels=fallback, **static)
-        self.compile_s += secs
-        self.kernels |= used
-        return exe
-
-    def timed(self, exe, *args, phase: str = "ttft_s"):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(exe(*args))
-        setattr(self, phase, getattr(self, phase) + time.perf_counter() - t0)
-        return out
 
 
 def _limit_name(cfg: ModelConfig) -> str:
@@ -143,16 +100,24 @@ def _placed(arrays, sharding):
 
 
 def _prefill(params, cfg, prompts, method, Tq, max_new, shrink_ok, sharding, clock,
-             head_mesh=None):
+             head_mesh=None, prefilled: shared.Prefilled | None = None):
     """Prefill + compression (and, for append-only methods, dropping the dead slots):
     (logits, cache, state, stats). `head_mesh`: the compression step per device
-    (`kvjax.distributed.head_mesh`)."""
+    (`kvjax.distributed.head_mesh`); `prefilled`: the batch's recorded full prefill, on
+    which only the method's compression runs (`kvjax.engine.shared`)."""
     T = bucket(max(len(p) for p in prompts))
-    tokens, valid = _placed(pad_left(prompts, T, cfg.pad_token_id), sharding)
     capacity = method.decode_capacity(method.cache_slots(T, cfg), Tq, max_new)
-    pre = clock.compiled(steps.prefill_extent, (params, tokens, valid), cfg=cfg, method=method,
-                         capacity=capacity, mesh=head_mesh)
-    logits, cache, state, stats, extent = clock.timed(pre, params, tokens, valid)
+    if prefilled is None:
+        tokens, valid = _placed(pad_left(prompts, T, cfg.pad_token_id), sharding)
+        pre = clock.compiled(steps.prefill_extent, (params, tokens, valid), cfg=cfg,
+                             method=method, capacity=capacity, mesh=head_mesh)
+        logits, cache, state, stats, extent = clock.timed(pre, params, tokens, valid)
+    else:
+        rec = (params, prefilled.q, prefilled.k, prefilled.v, prefilled.valid)
+        pre = clock.compiled(steps.replay_extent, rec, cfg=cfg, method=method,
+                             capacity=capacity)
+        cache, state, stats, extent = clock.timed(pre, *rec)
+        logits = prefilled.logits
     if shrink_ok and method.static_after_prefill():
         # Methods with per-head or per-layer budgets (AdaKV, PyramidKV, LAVa, CAKE, HeadKV)
         # allocate room for the most any head could keep; decoding over the dead slots
@@ -248,6 +213,7 @@ def run(
     mesh=None,
     shrink: bool = True,
     kernels: Kernels = Kernels(),
+    prefilled: shared.Prefilled | None = None,
 ) -> Generation:
     """Compress each prompt (and, context-only, append its question), then decode.
 
@@ -260,11 +226,23 @@ def run(
     (`distributed.head_mesh`); the tokens are the single-device ones.
     `batch_sharding` (the older form) places the token arrays only;
     `kernels` picks the kernel implementation of each op (a static part of every program).
+    `prefilled` (`kvjax.engine.shared.prefill` of these prompts): the full prefill already
+    run; a method that compresses after it (`shared.shares`) runs only its compression,
+    with the same result, and `ttft_s` is the recorded prefill's time plus its own
+    (`ttft_own_s`). Not with a mesh.
     """
     method = method or Method()
     if prompts:
         method = method.for_prompt(max(len(p) for p in prompts))
     check_request(cfg, prompts, questions, method, max_new_tokens)
+    if prefilled is not None:
+        if mesh is not None or batch_sharding is not None:
+            raise ValueError("prefilled: a shared prefill runs on one device; give no mesh")
+        if not shared.shares(method):
+            raise ValueError(f"prefilled: method {method.name!r} changes the prefill itself "
+                             f"(prefill_kind={method.prefill_kind!r}); run it without one")
+        prefilled.check(cfg, prompts)
+        kernels = prefilled.kernels
     stop_ids = tuple(cfg.eos_token_ids) if stop_ids is None else tuple(stop_ids)
     Tq = bucket(max(len(q) for q in questions), 1) if questions else 0
     B = len(prompts)
@@ -278,9 +256,13 @@ def run(
         prompts, questions = distributed.pad_batch(prompts, questions, mesh.shape["data"])
         head_mesh = distributed.head_mesh(mesh, method)
     padded = len(prompts)
-    clock = _Clock(kernels)
+    clock = Clock(kernels)
     logits, cache, state, stats = _prefill(params, cfg, prompts, method, Tq, max_new_tokens,
-                                           shrink, batch_sharding, clock, head_mesh)
+                                           shrink, batch_sharding, clock, head_mesh, prefilled)
+    own_s = clock.ttft_s  # the compression alone when the prefill was shared
+    if prefilled is not None:
+        clock.ttft_s += prefilled.prefill_s
+        clock.kernels |= prefilled.used
     # a method whose first extension differs (`extension_phases`): the question, else the
     # first decoding step, runs `first`; every later step `later`
     first, later = method.extension_phases() or (None, method)
@@ -304,6 +286,7 @@ def run(
         "kv_bytes_allocated": live_after_prefill["kv_bytes_allocated"],
         "kv_bytes_full": kvcache.full_kv_bytes(cfg, n_in, cache.k.dtype),
         "ttft_s": clock.ttft_s,
+        "ttft_own_s": own_s if prefilled is not None else None,
         "tpot_s": clock.decode_s / steps_run if steps_run else None,
         "compile_s": clock.compile_s,
         "prompt_tokens": prompt_tokens,
@@ -313,3 +296,21 @@ def run(
     }
     return Generation([out[i, : n[i]].tolist() for i in range(B)], _real_rows(cache, B), stats,
                       state)
+
+
+def run_methods(params, cfg: ModelConfig, prompts: list[list[int]], methods: list[Method],
+                **kw) -> list[Generation]:
+    """`run` for each method on the same prompts, the full prefill run once for every
+    method that compresses after it (`kvjax.engine.shared`); the others prefill on their
+    own. The tokens are those of separate runs. Keywords as in `run` (not `mesh`)."""
+    if kw.get("mesh") is not None:
+        raise ValueError("run_methods: a shared prefill runs on one device; give no mesh "
+                         "(or call run per method)")
+    kernels = kw.pop("kernels", Kernels())
+    ran = [m.for_prompt(max(len(p) for p in prompts)) for m in methods]
+    pre = None
+    if any(shared.shares(m) for m in ran):
+        check_tokens(cfg, prompts, kw.get("questions"), kw.get("max_new_tokens", 32))
+        pre = shared.prefill(params, cfg, prompts, kernels)
+    return [run(params, cfg, prompts, m, kernels=kernels,
+                prefilled=pre if shared.shares(m) else None, **kw) for m in ran]

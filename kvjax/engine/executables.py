@@ -40,3 +40,8 @@ def clear_compiled() -> None:
     memory maps (vm.max_map_count 65530; LLVM: "Cannot allocate memory", SIGSEGV)."""
     _EXECUTABLES.clear()
     jax.clear_caches()
+
+
+def compiled_count() -> int:
+    """How many executables `compile_once` holds."""
+    return len(_EXECUTABLES)

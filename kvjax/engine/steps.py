@@ -18,6 +18,7 @@ import numpy as np
 
 from kvjax import distributed
 from kvjax.compress import cache as kvcache
+from kvjax.compress.layer import LayerIO
 from kvjax.compress.method import Method
 from kvjax.config import ModelConfig
 from kvjax.engine import block_pruning, token_selection
@@ -58,10 +59,16 @@ def _prefill(params, tokens_BT, valid_BT, cfg, method, capacity, kernels, mesh=N
     pos_BT = positions(valid_BT, jnp.zeros((B,), jnp.int32))
     x_BD, kv, state, stats = compress_prompt(method, params, cfg, tokens_BT, valid_BT, pos_BT,
                                              kernels, mesh)
+    return (transformer.unembed(params, cfg, x_BD),
+            *_as_cache(method, kv, state, stats, pos_BT, valid_BT, capacity))
+
+
+def _as_cache(method, kv, state, stats, pos_BT, valid_BT, capacity):
+    """(cache, state, stats): the kept kv as the decoding cache of `capacity` slots."""
     cache = kvcache.KVCache.of(kv, end=jnp.asarray(kv.k.shape[3], jnp.int32),
                                next_pos=method.next_position(kv, pos_BT, valid_BT))
     cache = kvcache.pad_capacity(cache, capacity)
-    return transformer.unembed(params, cfg, x_BD), cache, method.pad_state(state, capacity), stats
+    return cache, method.pad_state(state, capacity), stats
 
 
 @partial(jax.jit, static_argnames=("cfg", "method", "capacity", "kernels", "mesh"))
@@ -79,6 +86,47 @@ def prefill_extent(params, tokens_BT, valid_BT, *, cfg: ModelConfig, method: Met
     program, so that the driver reads one integer, not the mask."""
     out = _prefill(params, tokens_BT, valid_BT, cfg, method, capacity, kernels, mesh)
     return (*out, kvcache.live_extent(out[1]))
+
+
+@partial(jax.jit, static_argnames=("cfg", "kernels"))
+def prefill_record(params, tokens_BT, valid_BT, *, cfg: ModelConfig,
+                   kernels: Kernels = Kernels()):
+    """The plain full prefill, once for every method that compresses after it
+    (`kvjax.engine.shared`): (last-token logits [B, V], q [L, B, T, H, Dh], k and v
+    [L, B, K, T, Dh]): what their hooks read of each layer."""
+    B = tokens_BT.shape[0]
+    pos_BT = positions(valid_BT, jnp.zeros((B,), jnp.int32))
+    x, (q, k, v), _ = prefill_layers(params, cfg, tokens_BT, valid_BT, pos_BT,
+                                     lambda io, st: ((io.q, io.k, io.v), st), None, kernels)
+    return transformer.unembed(params, cfg, x[:, -1]), q, k, v
+
+
+@partial(jax.jit, static_argnames=("cfg", "method", "capacity", "kernels"))
+def replay_extent(params, q_LBTHD, k_LBKTD, v_LBKTD, valid_BT, *, cfg: ModelConfig,
+                  method: Method, capacity: int, kernels: Kernels = Kernels()):
+    """`prefill_extent` without the model: the method's prefill hooks replayed on the
+    layers `prefill_record` kept, then `finalize`. (cache, state, stats, extent); the hooks
+    see what the fused prefill shows them except the attention output and the hidden
+    state (`io.o`, `io.hidden`: None), which no compress-after-prefill method reads."""
+    B, T = valid_BT.shape
+    pos_BT = positions(valid_BT, jnp.zeros((B,), jnp.int32))
+    kpos_BKT = jnp.broadcast_to(pos_BT[:, None], (B, cfg.num_kv_heads, T))
+    kvalid_BKT = jnp.broadcast_to(valid_BT[:, None], (B, cfg.num_kv_heads, T))
+
+    def body(st, xs):
+        q, k, v, wo, layer = xs
+        kv, aux, st = method.after_layer_prefill(
+            LayerIO(layer, q, k, v, kpos_BKT, kvalid_BKT, pos_BT, None, None, valid_BT, wo,
+                    cfg, kernels), st)
+        return st, (kv, aux)
+
+    state = method.init_state(cfg, B, T)
+    state, (kv, aux) = jax.lax.scan(body, state, (q_LBTHD, k_LBKTD, v_LBKTD,
+                                                  params["layers"]["o"],
+                                                  jnp.arange(cfg.num_layers)))
+    kv, state, stats = method.finalize(kv, aux, state)
+    cache, state, stats = _as_cache(method, kv, state, stats, pos_BT, valid_BT, capacity)
+    return cache, state, stats, kvcache.live_extent(cache)
 
 
 @partial(jax.jit, static_argnames=("slots", "capacity"))

@@ -1,0 +1,101 @@
+"""One prefill, many methods (`kvjax.engine.shared`): a method replayed on the recorded full
+prefill gives what its own prefill gives, on the bundled model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import engine, methods
+from kvjax import run as cli
+from kvjax.engine import shared
+
+SHARING = [n for n in methods.names() if shared.shares(methods.create(n))]
+# one of each way of scoring: window attention, per-head budgets, accumulated columns,
+# merging, cross-layer allocation, the critical rule, position only, nothing
+FAST = {"snapkv", "ada_snapkv", "h2o", "d2o", "lava", "critical_adakv", "streaming_llm",
+        "full"}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = kvjax.load("tiny-retrieval")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(5, model.cfg.vocab_size, n).tolist() for n in (300, 270, 290)]
+    return model, prompts, shared.prefill(model.params, model.cfg, prompts)
+
+
+def _at_budget(name):
+    m = methods.create(name)
+    return m.with_budget(64) if m.with_budget(1) != m.with_budget(2) else m
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow)
+                                  for n in SHARING])
+def test_replayed_compression_equals_the_methods_own_prefill(setup, name):
+    model, prompts, pre = setup
+    m = _at_budget(name)
+    own = engine.run(model.params, model.cfg, prompts, m, max_new_tokens=8)
+    rep = engine.run(model.params, model.cfg, prompts, m, max_new_tokens=8, prefilled=pre)
+    assert rep.tokens == own.tokens
+    # the same entries kept, at the same slots
+    for f in ("pos", "valid", "end", "next_pos"):
+        np.testing.assert_array_equal(np.asarray(getattr(rep.cache, f)),
+                                      np.asarray(getattr(own.cache, f)), err_msg=f)
+    # Equal floats for every method that reads the queries; for those that do not (full,
+    # StreamingLLM, CAM) XLA lays the layer out differently in the two programs and the
+    # keys differ by ~1e-5 (float32 rounding of the same sums; measured 1.1e-5 at most):
+    # rtol 1e-4 allows that and nothing a different computation would give
+    for f in ("k", "v"):
+        np.testing.assert_allclose(np.asarray(getattr(rep.cache, f)),
+                                   np.asarray(getattr(own.cache, f)), rtol=1e-4, atol=1e-4)
+    for k, v in own.stats.items():
+        if k not in engine.ENGINE_STATS:
+            assert json.dumps(rep.stats[k], default=str) == json.dumps(v, default=str), k
+    assert rep.stats["ttft_own_s"] is not None and own.stats["ttft_own_s"] is None
+    assert rep.stats["ttft_s"] >= pre.prefill_s
+
+
+def test_methods_that_change_the_prefill_do_not_share():
+    for name in ("asl", "fastkv", "gemfilter", "sliminfer", "lazyllm"):
+        assert not shared.shares(methods.create(name)), name
+
+
+def test_a_prefill_is_refused_for_other_prompts_or_methods(setup):
+    model, prompts, pre = setup
+    with pytest.raises(ValueError, match=r"recorded for other prompts .*\(3, 320\)"):
+        engine.run(model.params, model.cfg, [prompts[0][:-1], *prompts[1:]], _at_budget(
+            "snapkv"), max_new_tokens=1, prefilled=pre)
+    with pytest.raises(ValueError, match="'asl' changes the prefill itself"):
+        engine.run(model.params, model.cfg, prompts, methods.create("asl"),
+                   max_new_tokens=1, prefilled=pre)
+
+
+def test_run_methods_equals_each_run(setup):
+    model, prompts, _ = setup
+    ms = [_at_budget("snapkv"), methods.create("gemfilter", select_k=64)]
+    gens = engine.run_methods(model.params, model.cfg, prompts, ms, max_new_tokens=4)
+    for m, g in zip(ms, gens):
+        assert g.tokens == engine.run(model.params, model.cfg, prompts, m,
+                                      max_new_tokens=4).tokens
+    assert gens[0].stats["ttft_own_s"] is not None and gens[1].stats["ttft_own_s"] is None
+
+
+def test_a_shared_sweep_writes_the_records_of_separate_runs(tmp_path):
+    argv = ["--model", "tiny-retrieval", "--method", "snapkv,streaming_llm,gemfilter", "--budget", "64",
+            "--task", "passkey", "--context", "256", "--samples", "3", "--batch-size", "2",
+            "--details", "--no-progress"]
+    assert cli.main([*argv, "--output", str(tmp_path / "s.jsonl")]) == 0
+    assert cli.main([*argv, "--no-share-prefill", "--output", str(tmp_path / "o.jsonl")]) == 0
+    read = lambda p: [json.loads(x) for x in p.read_text().splitlines()]  # noqa: E731
+    s, o = read(tmp_path / "s.jsonl"), read(tmp_path / "o.jsonl")
+    assert [(r["method"], r["budget"]) for r in s] == [(r["method"], r["budget"]) for r in o]
+    for a, b in zip(s, o):
+        assert [d["prediction"] for d in a["details"]] == [d["prediction"] for d in b["details"]]
+        assert a["accuracy"] == b["accuracy"] and a["kv_bytes_live"] == b["kv_bytes_live"]
+        assert b["prefill"] == "own" and b["ttft_own_s"] is None
+        assert a["prefill"] == ("own" if a["method"] == "gemfilter" else "shared")
+        assert (a["ttft_own_s"] is None) == (a["method"] == "gemfilter")
