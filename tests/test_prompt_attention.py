@@ -1,5 +1,6 @@
 """The prompt's fused attention path (`attention.attend_fused`, cuDNN's flash attention on
-an NVIDIA GPU) against kvjax's chunked attention, through the same `jax.nn` call's xla
+an NVIDIA GPU) and the CPU's tiled one (`attention.attend_blocked`) against kvjax's chunked
+attention, through the same `jax.nn` call's xla
 implementation on CPU: left and right padding, a sliding window, and whole runs of methods
 of the three prefill kinds (the kept sets and tokens must not move).
 
@@ -41,6 +42,25 @@ def test_fused_equals_chunked(sliding_window, pad):
     assert not np.any(np.asarray(got)[~np.asarray(valid)])  # padding queries: zeros
 
 
+@pytest.mark.parametrize("T, sliding_window, ordered", [  # 64-blocks, 256-blocks, dense
+    (320, None, True), (320, 70, True), (512, None, True), (512, 70, False), (100, None, True)])
+def test_blocked_equals_chunked(T, sliding_window, ordered):
+    # the tiled online softmax against the dense one; ordered skips the key blocks past a
+    # query block, which a left-padded prompt's mask hides anyway
+    B, H, K, D = 2, 4, 2, 8
+    ks = jax.random.split(jax.random.PRNGKey(1), 3)
+    q = jax.random.normal(ks[0], (B, T, H, D))
+    k, v = (jax.random.normal(x, (B, K, T, D)) for x in ks[1:])
+    valid = jnp.ones((B, T), bool).at[0, :T // 3].set(False)  # one row left-padded
+    pos = engine.positions(valid, jnp.zeros((B,), jnp.int32))
+    kpos, kval = (jnp.broadcast_to(x[:, None], (B, K, T)) for x in (pos, valid))
+    ref = attention.attend_chunked(q, k, v, pos, kpos, kval, sliding_window)
+    got = attention.attend_prompt(q, k, v, pos, kpos, kval, sliding_window, "blocked", ordered)
+    keep = np.asarray(valid)[:, :, None, None]
+    np.testing.assert_allclose(np.where(keep, got, 0), np.where(keep, ref, 0), atol=1e-5)
+    assert not np.any(np.asarray(got)[~np.asarray(valid)])  # padding queries: zeros
+
+
 @pytest.mark.parametrize("name, kw", [("full", {}), ("snapkv", dict(budget=40, window=8)),
                                       ("asl", dict(select_k=40, window=8, tau=0.9)),
                                       ("lazyllm", dict(layers=(2, 4)))])
@@ -56,5 +76,5 @@ def test_runs_are_equal_with_the_fused_prompt_attention(name, kw):
     np.testing.assert_array_equal(np.asarray(a.cache.valid), np.asarray(b.cache.valid))
     np.testing.assert_array_equal(np.where(a.cache.valid, a.cache.pos, -1),
                                   np.where(b.cache.valid, b.cache.pos, -1))
-    assert a.stats["kernels"]["prefill_attention"] == "xla"  # the default on CPU
+    assert a.stats["kernels"]["prefill_attention"] == "blocked"  # the default on CPU
     assert b.stats["kernels"]["prefill_attention"] == "fused_xla"

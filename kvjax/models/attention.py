@@ -92,6 +92,66 @@ def attend_chunked(q_BTHD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS, slidin
     return o.swapaxes(0, 1).reshape(B, T, H, D)
 
 
+def attend_blocked(q_BTHD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS, sliding_window,
+                   ordered: bool = False):
+    """`attend` in tiles with an online softmax (flash attention's recurrence, in plain
+    XLA): per batch element and query block, a loop over key blocks keeps the running max,
+    sum and output, so no score array larger than one tile ([K, G, bq, bk], a few MB)
+    exists. On CPU the dense form is bound by writing and re-reading the [H, T, S]
+    scores (2.2x slower at 2048 on SmolLM2's shape, docs/results/speed.md); tiles stay in
+    cache. Equal to `attend` up to float32 rounding (1e-6 measured).
+
+    `ordered`: the keys are the queries' own tokens in slot order (slot i holds query i's
+    key, positions increase with the slot: a left-padded prompt), so a query block stops
+    at the key block holding its last slot (causal: half the tiles). Blocks of 256 (128,
+    64 where T and S are not multiples); shorter prompts take `attend`."""
+    B, T, H, D = q_BTHD.shape
+    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+    G = H // K
+    bq = next((b for b in (256, 128, 64) if T % b == 0 and S % b == 0), None)
+    if bq is None or T < 2 * bq:
+        return attend(q_BTHD, k_BKSD, v_BKSD, mask(qpos_BT, kpos_BKS, kvalid_BKS,
+                                                   sliding_window))
+    nq, nk = T // bq, S // bq
+    q_BKGTD = q_BTHD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
+    cut = lambda a, i, axis: jax.lax.dynamic_slice_in_dim(a, i * bq, bq, axis)  # noqa: E731
+
+    def element(args):
+        q, k, v, qpos, kpos, kvalid = args  # one batch element
+
+        def query_block(i):
+            qi, qp = cut(q, i, 2).reshape(K, G * bq, D), cut(qpos, i, 0)
+
+            def key_block(j, carry):
+                m, z, acc = carry
+                s = jnp.einsum("kmd,ksd->kms", qi, cut(k, j, 1),
+                               preferred_element_type=jnp.float32)
+                s = s.reshape(K, G, bq, bq) * (D**-0.5)
+                ok = mask(qp[None], cut(kpos, j, 1)[None], cut(kvalid, j, 1)[None],
+                          sliding_window)[0][:, None]
+                s = jnp.where(ok, s, -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no live key yet: 0
+                p = jnp.exp(s - base[..., None])
+                scale = jnp.exp(m - base)  # m = -inf: 0
+                pv = jnp.einsum("kms,ksd->kmd", p.reshape(K, G * bq, bq).astype(v.dtype),
+                                cut(v, j, 1), preferred_element_type=jnp.float32)
+                return (m_new, z * scale + jnp.sum(p, axis=-1),
+                        acc * scale[..., None] + pv.reshape(K, G, bq, D))
+
+            n = jnp.minimum(i + 1, nk) if ordered else nk
+            init = (jnp.full((K, G, bq), -jnp.inf, jnp.float32),
+                    jnp.zeros((K, G, bq), jnp.float32), jnp.zeros((K, G, bq, D), jnp.float32))
+            _, z, acc = jax.lax.fori_loop(0, n, key_block, init)
+            return acc / jnp.where(z > 0, z, 1.0)[..., None]  # no live key: zeros
+
+        o = jax.lax.map(query_block, jnp.arange(nq))  # [nq, K, G, bq, D]
+        return o.transpose(0, 3, 1, 2, 4).reshape(T, H, D)
+
+    o = jax.lax.map(element, (q_BKGTD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS))
+    return o.astype(q_BTHD.dtype)
+
+
 def attend_fused(q_BTHD, k_BKTD, v_BKTD, valid_BT, sliding_window, implementation: str):
     """The prompt's causal attention as one fused call (`jax.nn.dot_product_attention`:
     cuDNN's flash attention on NVIDIA GPUs), equal to `attend_chunked` when each row's
@@ -117,12 +177,16 @@ def attend_fused(q_BTHD, k_BKTD, v_BKTD, valid_BT, sliding_window, implementatio
 
 
 def attend_prompt(q_BTHD, k_BKTD, v_BKTD, qpos_BT, kpos_BKT, kvalid_BKT, sliding_window,
-                  implementation: str = "xla"):
-    """The prompt's attention: `attend_chunked` ("xla"), or one fused call ("cudnn", or
-    "fused_xla" for the same call's xla implementation; see `attend_fused`: the prompt's
-    tokens must be contiguous slots). A window that is per-layer data (a traced value,
+                  implementation: str = "xla", ordered: bool = False):
+    """The prompt's attention: `attend_chunked` ("xla"), `attend_blocked` ("blocked", the
+    CPU default; `ordered` as there), or one fused call ("cudnn", or "fused_xla" for the
+    same call's xla implementation; see `attend_fused`: the prompt's tokens must be
+    contiguous slots). A window that is per-layer data (a traced value,
     `transformer.layer_window`) takes the `attend_chunked` path: the fused calls need it
     static."""
+    if implementation == "blocked":
+        return attend_blocked(q_BTHD, k_BKTD, v_BKTD, qpos_BT, kpos_BKT, kvalid_BKT,
+                              sliding_window, ordered)
     if implementation == "xla" or isinstance(sliding_window, jax.Array):
         return attend_chunked(q_BTHD, k_BKTD, v_BKTD, qpos_BT, kpos_BKT, kvalid_BKT,
                               sliding_window)

@@ -27,7 +27,7 @@ OPS = ("window_scores", "compact", "decode_attention", "value_norms")
 # the prompt's attention: "xla" = kvjax's chunked attention; "cudnn" = one fused call
 # (`jax.nn.dot_product_attention`, cuDNN's flash attention); "fused_xla" = the same call's
 # xla implementation (it materialises the scores: small prompts and tests)
-PREFILL_ATTENTION = ("auto", "xla", "cudnn", "fused_xla")
+PREFILL_ATTENTION = ("auto", "xla", "blocked", "cudnn", "fused_xla")
 # (backend, op) pairs whose Pallas kernel was measured faster than the xla reference on that
 # kind of device: `auto` picks Pallas only there (docs/results/gpu.md; H100, jax 0.11.2,
 # 2026-11-26, 8k and 32k: window_scores 1.10-1.21x, value_norms 6.5-9.0x; decode_attention
@@ -69,12 +69,13 @@ class Kernels:
 
     def prompt_attention(self) -> str:
         """The prompt attention's implementation: `auto` is cuDNN's fused attention on an
-        NVIDIA GPU (measured: 643 TFLOP/s on one H100 layer at 32k), the chunked xla
-        attention elsewhere. Recorded as used (`recording`): callers call it when tracing
-        the attention."""
+        NVIDIA GPU (measured: 643 TFLOP/s on one H100 layer at 32k), the tiled online-
+        softmax attention on CPU (`attention.attend_blocked`: 2.2x the chunked one at 2048
+        on 2 cores), the chunked xla attention elsewhere. Recorded as used (`recording`):
+        callers call it when tracing the attention."""
         impl = self.prefill_attention
         if impl == "auto":
-            impl = "cudnn" if _nvidia(jax.default_backend()) else "xla"
+            impl = _auto_prompt_attention()
         note("prefill_attention", impl)
         return impl
 
@@ -84,7 +85,7 @@ class Kernels:
         for op in OPS:
             impl, interp, _ = resolve(getattr(self, op), op=op)
             out[op] = impl + (" (interpreted)" if interp else "")
-        auto = "cudnn" if _nvidia(jax.default_backend()) else "xla"
+        auto = _auto_prompt_attention()
         return {**out, "prefill_attention": auto if self.prefill_attention == "auto"
                 else self.prefill_attention}
 
@@ -173,3 +174,8 @@ def pick(op: str, implementation, interpret, reasons: dict[str, str | None]
         impl, interp = "xla", False
     note(op, impl + (" (interpreted)" if interp else ""))
     return impl, interp
+
+
+def _auto_prompt_attention() -> str:
+    backend = jax.default_backend()
+    return "cudnn" if _nvidia(backend) else "blocked" if backend == "cpu" else "xla"
