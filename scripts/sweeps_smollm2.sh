@@ -23,3 +23,13 @@ done
 for k in 5 7 17; do
   sweep pool_snapkv_avg_k${k}_1024.jsonl --method snapkv --budget 128 --set kernel=$k --set pooling=avg
 done
+# 2048: the baselines on one shared prefill per batch (python -m kvjax.run shares it by
+# default); SnapKV's family again at kernel 17 (docs/results/pooling.md)
+R2=${R/--context 1024/--context 2048}
+sweep2() {
+  local f=$D/$1; shift
+  if [ -e "$f" ]; then $R2 "$@" --output "$f" --resume; else $R2 "$@" --output "$f"; fi
+  python scripts/smollm2_results.py --slim "$f"
+}
+sweep2 baselines_2048.jsonl --method full,snapkv,ada_snapkv,pyramidkv,h2o,tova,streaming_llm --budget 256,128
+sweep2 baselines_k17_2048.jsonl --method snapkv,ada_snapkv,pyramidkv --budget 256,128 --set kernel=17
