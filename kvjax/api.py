@@ -325,6 +325,27 @@ def generate(
     return Result(texts, gen.tokens, gen.stats)
 
 
+def generate_each(model: Model, prompt, methods: Sequence, *, question=None,
+                  max_new_tokens: int = 32, stop_ids: Sequence[int] | None = None,
+                  kernels: Kernels = Kernels()) -> list[Result]:
+    """`generate` (greedy) with each of `methods` on the same prompt(s): the full prefill
+    runs once for every method that compresses after it (docs/design.md, "Shared
+    prefill"), and each result equals its own `generate`'s. One device only."""
+    prompts, single = _batch(model, prompt, bos=True)
+    questions = _questions(model, question, len(prompts))
+    gens = engine.run_methods(model.params, model.cfg, prompts,
+                              [_method(m) or Method() for m in methods], questions=questions,
+                              max_new_tokens=max_new_tokens,
+                              stop_ids=None if stop_ids is None else tuple(stop_ids),
+                              kernels=kernels)
+    out = []
+    for gen in gens:
+        texts = [model.decode(t) for t in gen.tokens] if model.tokenizer is not None else None
+        out.append(Result(texts[0] if texts else None, gen.tokens[0], gen.stats) if single
+                   else Result(texts, gen.tokens, gen.stats))
+    return out
+
+
 def compress(model: Model, prompt, method: Method | str | None = None, question=None,
              kernels: Kernels = Kernels(), mesh=None):
     """Prefill and compress only (no decoding): (cache, stats). Scenarios and `mesh` as in

@@ -99,3 +99,12 @@ def test_a_shared_sweep_writes_the_records_of_separate_runs(tmp_path):
         assert b["prefill"] == "own" and b["ttft_own_s"] is None
         assert a["prefill"] == ("own" if a["method"] == "gemfilter" else "shared")
         assert (a["ttft_own_s"] is None) == (a["method"] == "gemfilter")
+
+
+def test_generate_each_equals_generate():
+    model = kvjax.load("tiny-retrieval")
+    prompt = "the key is 31415. " * 30 + "what is the key?"
+    got = kvjax.generate_each(model, prompt, ["snapkv", "streaming_llm"], max_new_tokens=4)
+    for name, r in zip(("snapkv", "streaming_llm"), got):
+        assert r.tokens == kvjax.generate(model, prompt, name, max_new_tokens=4).tokens
+        assert r.stats["ttft_own_s"] is not None
