@@ -130,17 +130,72 @@ def pooling(records) -> str:
             "from docs/results/smollm2/.\n\n" + "\n".join(lines))
 
 
-def slim(path: Path) -> None:
+BASELINES = [RECORDS / "baselines_2048.jsonl", RECORDS / "baselines_k17_2048.jsonl"]
+VERDICT = {"pass": "holds", "tie": "holds (a tie)", "fail": "does not hold",
+           "uninformative": "cannot tell"}
+
+
+def baselines() -> str | None:
+    """The post-prefill baselines at 2048 on one shared prefill per batch: a table of
+    accuracy, KV and timing per method and budget, then the baselines' claims judged."""
+    recs = [r for r in report.load_records(*[f for f in BASELINES if f.exists()])
+            if r["samples"] >= 50]
+    if not recs:
+        return None
+    full = scored(find(recs, "full"))
+
+    def name(r):
+        k = (r.get("method_params") or {}).get("kernel")
+        return r["method"] + (f" (kernel {k})" if k not in (None, 7) else "")
+
+    lines = ["| method | budget | accuracy % [95% Wilson] | kv | TTFT s/batch (own) | "
+             "TPOT ms |", "|---|---|---|---|---|---|"]
+    for r in sorted(recs, key=lambda r: (r["method"] != "full", name(r), -(r["budget"] or 0))):
+        own = f" ({r['ttft_own_s']:.2f})" if r.get("ttft_own_s") is not None else ""
+        lines.append(f"| {name(r)} | {r['budget'] or '-'} | {fmt(scored(r))} | "
+                     f"{r['kv_fraction']:.3f} | {r['ttft_s']:.1f}{own} | "
+                     f"{1e3 * (r['tpot_s'] or 0):.0f} |")
+    claims = []
+    for b, part in ((256, "1/8"), (128, "1/16")):
+        for k in (7, 17):
+            snap = scored(find(recs, "snapkv", b, kernel=k))
+            if snap is None:
+                continue
+            for other in ("h2o", "tova", "streaming_llm"):
+                o = scored(find(recs, other, b))
+                if o:
+                    v, why = at_least(snap, o, "snapkv", other)
+                    claims.append(f"| SnapKV (kernel {k}) >= {other} at {part} | {fmt(snap)} "
+                                  f"vs {fmt(o)} | {VERDICT[v]} | {why} |")
+            for other in ("ada_snapkv", "pyramidkv"):
+                o = scored(find(recs, other, b, kernel=k))
+                if o:
+                    v, why = at_least(o, snap, other, "snapkv")
+                    claims.append(f"| {other} (kernel {k}) >= SnapKV at {part} | {fmt(o)} "
+                                  f"vs {fmt(snap)} | {VERDICT[v]} | {why} |")
+    return (f"niah_single, plain prompts, 2048 tokens, question-aware, 50 samples a cell, "
+            f"seed 0; {report.model_line(recs)}. Full cache: {fmt(full)}. Budgets are entries "
+            "per layer and KV head (256 = 1/8, 128 = 1/16); methods at their papers' defaults "
+            "(SnapKV's family: max pooling, kernel 7) and again at kernel 17 "
+            "(docs/results/pooling.md). One full prefill per batch of 8 served every method "
+            "(`prefill: shared`): TTFT is that prefill plus the method's own compression "
+            "(in brackets). Rendered by `python scripts/smollm2_results.py` from "
+            "docs/results/smollm2/baselines_*2048.jsonl; the sweep: `scripts/sweeps_smollm2.sh`."
+            "\n\n" + "\n".join(lines) + "\n\n| claim | measured | verdict | why |\n"
+            "|---|---|---|---|\n" + "\n".join(claims))
+
+
+def slim(path: Path, every: bool = False) -> None:
     """Drop what makes these records 50 KB each and says nothing here: the per-batch
     `layer_budgets` (the per-sample details repeat them), and the per-sample ones of methods
     whose budget is the same for every layer and head (SnapKV, H2O, TOVA, StreamingLLM at
-    `--budget`; Ada-SnapKV's per-head counts stay)."""
+    `--budget`; Ada-SnapKV's per-head counts stay unless `every`: 25 KB a record)."""
     import json
 
     out = []
     for r in report.load_records(path):
         (r.get("method_stats") or {}).pop("layer_budgets", None)
-        if not r["method"].startswith("ada_"):
+        if every or not r["method"].startswith("ada_"):
             for d in r.get("details") or []:
                 d.pop("layer_budgets", None)
         out.append(json.dumps(r) + "\n")
@@ -156,14 +211,20 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slim", nargs="+", type=Path, metavar="FILE",
                    help="only drop the uniform layer_budgets of these records files")
+    p.add_argument("--every-method", action="store_true",
+                   help="with --slim: drop the per-head counts of AdaKV's family too")
     a = p.parse_args(argv)
     if a.slim:
         for f in a.slim:
-            slim(f)
+            slim(f, a.every_method)
         return 0
     records = load()
     report.replace_section(ROOT / "MODEL.md", "smollm2-calibration", calibration(records))
     report.replace_section(ROOT / "docs" / "results" / "pooling.md", "pooling", pooling(records))
+    table = baselines()
+    if table:
+        report.replace_section(ROOT / "docs" / "results" / "baselines.md", "smollm2-baselines",
+                               table)
     print(f"rendered from {len(records)} records")
     return 0
 

@@ -44,8 +44,6 @@ def run_scenario(a, scenario: str, out: Path) -> Path:
 
 def write_report(records: list[dict], a, out: Path) -> str:
     parts = [
-        "# Post-prefill eviction baselines on the bundled model",
-        "",
         f"Measured by `python scripts/sweep_baselines.py --model {a.model} --samples "
         f"{a.samples} --budgets {a.budgets} --context {a.context} --tasks {a.tasks}` (one "
         "`python -m kvjax.run` per scenario; records in `baselines_<scenario>.json`); "
@@ -66,7 +64,7 @@ def write_report(records: list[dict], a, out: Path) -> str:
         kv = report.markdown_table(recs, report.method_label, lambda r: r["task"],
                                    lambda r: r["kv_fraction"], fmt="{:.3f}",
                                    row_name="method @ budget")
-        parts += ["", f"## {scenario.replace('_', '-')}", "", "Accuracy (%):", "", acc, "",
+        parts += ["", f"### {scenario.replace('_', '-')}", "", "Accuracy (%):", "", acc, "",
                   "Live KV bytes / full:", "", kv]
         budgets_seen = sorted({r["budget"] for r in recs if r["method"] != "full"})
         for task in sorted({r["task"] for r in recs}):
@@ -82,7 +80,10 @@ def write_report(records: list[dict], a, out: Path) -> str:
             if png is not None:
                 parts += ["", f"![{task} {scenario}]({png.name})"]
     text = "\n".join(parts) + "\n"
-    (out / "baselines.md").write_text(text)
+    report.replace_section(out / "baselines.md", "tiny-baselines", text) \
+        if (out / "baselines.md").exists() else (out / "baselines.md").write_text(
+            f"# Post-prefill eviction baselines\n\n<!-- tiny-baselines -->\n{text}"
+            "<!-- /tiny-baselines -->\n")
     return text
 
 

@@ -29,7 +29,10 @@ R2=${R/--context 1024/--context 2048}
 sweep2() {
   local f=$D/$1; shift
   if [ -e "$f" ]; then $R2 "$@" --output "$f" --resume; else $R2 "$@" --output "$f"; fi
-  python scripts/smollm2_results.py --slim "$f"
+  python scripts/smollm2_results.py --slim "$f" --every-method
 }
 sweep2 baselines_2048.jsonl --method full,snapkv,ada_snapkv,pyramidkv,h2o,tova,streaming_llm --budget 256,128
 sweep2 baselines_k17_2048.jsonl --method snapkv,ada_snapkv,pyramidkv --budget 256,128 --set kernel=17
+# LAVa and CAKE against the k17 baselines above; D2O against H2O and StreamingLLM
+sweep2 lava_k17_2048.jsonl --method lava,cake --budget 256,128 --set kernel=17
+sweep2 d2o_2048.jsonl --method d2o --budget 256,128
