@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -160,6 +161,20 @@ def replace_section(doc: str | Path, marker: str, body: str) -> None:
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     path.write_text(f"{head}{start}\n{body}\n{end}{tail}")
+
+
+def write_page(path: str | Path, text: str) -> None:
+    """Write a results page a script renders whole, keeping the SmolLM2 sections another
+    script renders into it (`<!-- smollm2-... -->` ... `<!-- /smollm2-... -->`, by
+    `scripts/smollm2_results.py`) right after the new text's title line."""
+    path = Path(path)
+    old = path.read_text() if path.exists() else ""
+    kept = re.findall(r"(## [^\n]*\n\n<!-- (smollm2-[\w-]+) -->.*?<!-- /\2 -->\n)", old, re.S)
+    if kept:
+        title, _, rest = text.partition("\n")
+        text = title + "\n\n" + "\n".join(k for k, _ in kept) + "\n## On tiny-retrieval " \
+            "(earlier; not a language model)\n" + rest
+    path.write_text(text)
 
 
 def results_parser(doc: str | None, out: Path, samples: int = 50) -> argparse.ArgumentParser:

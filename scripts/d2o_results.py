@@ -156,7 +156,7 @@ def main() -> None:
         parts += ["![perplexity](d2o_ppl.png)", ""]
     except Exception as e:  # noqa: BLE001 (matplotlib absent)
         print(f"no plot: {e}", file=sys.stderr)
-    (a.out / "d2o.md").write_text("\n".join(parts))
+    report.write_page(a.out / "d2o.md", "\n".join(parts))
     print(a.out / "d2o.md")
 
 

@@ -105,7 +105,7 @@ def write_report(records: list[dict], a) -> str:
                 parts += ["", f"![{task} {scenario}]({png.name})"]
     parts += ["", "## LAVa's layer x head budgets", *heatmaps(a)]
     text = "\n".join(parts) + "\n"
-    (a.out / "lava.md").write_text(text)
+    report.write_page(a.out / "lava.md", text)
     return text
 
 

@@ -36,3 +36,7 @@ sweep2 baselines_k17_2048.jsonl --method snapkv,ada_snapkv,pyramidkv --budget 25
 # LAVa and CAKE against the k17 baselines above; D2O against H2O and StreamingLLM
 sweep2 lava_k17_2048.jsonl --method lava,cake --budget 256,128 --set kernel=17
 sweep2 d2o_2048.jsonl --method d2o --budget 256,128
+# the methods that change the prefill (their own, not shared): SlimInfer and LazyLLM at
+# their defaults; ASL, FastKV, GemFilter selecting 256 tokens (1/8)
+sweep2 sliminfer_2048.jsonl --method sliminfer,lazyllm
+sweep2 asl_2048.jsonl --method asl,fastkv,gemfilter --budget 256

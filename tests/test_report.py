@@ -108,3 +108,15 @@ def test_wilson_interval():
     assert report.wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
     with pytest.raises(ValueError, match="n must be positive"):
         report.wilson(0, 0)
+
+
+def test_write_page_keeps_the_smollm2_sections(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("# Old\n\n## On SmolLM2\n\n<!-- smollm2-x -->\nkept\n<!-- /smollm2-x -->\n\n"
+                    "## On tiny-retrieval (earlier; not a language model)\nold body\n")
+    report.write_page(page, "# New\nnew body\n")
+    text = page.read_text()
+    assert text.startswith("# New\n\n## On SmolLM2\n\n<!-- smollm2-x -->\nkept\n")
+    assert "new body" in text and "old body" not in text
+    report.write_page(tmp_path / "q.md", "# Fresh\nbody\n")
+    assert (tmp_path / "q.md").read_text() == "# Fresh\nbody\n"
