@@ -130,7 +130,9 @@ def pooling(records) -> str:
             "from docs/results/smollm2/.\n\n" + "\n".join(lines))
 
 
-VERDICT = {"pass": "holds", "tie": "holds (a tie)", "fail": "does not hold",
+# the papers claim "better than": a tie cannot show it (MODEL.md's calibration rows, "at
+# least as good as", count a tie as consistent)
+VERDICT = {"pass": "holds", "tie": "cannot tell (a tie)", "fail": "does not hold",
            "uninformative": "cannot tell"}
 BUDGETS = ((256, "1/8"), (128, "1/16"))  # of 2048 tokens
 
@@ -185,8 +187,9 @@ def intro_2048(recs: list[dict], files: str, extra: str = "") -> str:
             "(`prefill: shared`): TTFT is that prefill plus the method's own compression (in "
             "brackets). Rendered by `python scripts/smollm2_results.py` from "
             f"docs/results/smollm2/{files}; the sweeps: `scripts/sweeps_smollm2.sh`. A claim "
-            "holds when the first method's 95% Wilson interval is not wholly below the "
-            "second's; a tie is consistent with it but does not show it.")
+            "\"a >= b\" holds when b's 95% Wilson interval lies wholly below a's, does not "
+            "hold when a's lies wholly below b's, and otherwise cannot be told at 50 samples "
+            "(a tie).")
 
 
 K17 = {"kernel": 17}
