@@ -143,7 +143,7 @@ def write_report(records: list[dict], a) -> str:
              "", "## ASL's selection layer and relative variance"]
     parts += selection_sections(records, a)
     text = "\n".join(parts) + "\n"
-    (a.out / "asl.md").write_text(text)
+    report.write_page(a.out / "asl.md", text)
     return text
 
 

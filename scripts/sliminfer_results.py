@@ -165,7 +165,7 @@ def write_report(records: list[dict], a, out: Path, command: str) -> str:
     if png is not None:
         parts += ["", f"![ttft]({png.name})"]
     text = "\n".join(parts) + "\n"
-    (out / "sliminfer.md").write_text(text)
+    report.write_page(out / "sliminfer.md", text)
     return text
 
 

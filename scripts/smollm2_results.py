@@ -162,12 +162,15 @@ def table_2048(recs: list[dict], methods: set | None = None) -> str:
     return "\n".join(lines)
 
 
-def claims_2048(recs: list[dict], pairs) -> str:
-    """"a >= b" judged at each budget for each (a, b, params of a, params of b)."""
+def claims_2048(recs: list[dict], pairs, budgets=BUDGETS) -> str:
+    """"a >= b" judged at each budget for each (a, b, params of a, params of b); a budget
+    None: the methods' own defaults (full's record for b = full)."""
     rows = []
-    for b, part in BUDGETS:
+    for b, part in (((None, "their defaults"),) if budgets == (None,) else budgets):
         for x, y, px, py in pairs:
-            cx, cy = scored(find(recs, x, b, **px)), scored(find(recs, y, b, **py))
+            cx = scored(next((r for r in recs if r["method"] == x), None) if b is None
+                        else find(recs, x, b, **px))
+            cy = scored(find(recs, y, b, **py))
             if cx and cy:
                 v, why = at_least(cx, cy, x, y)
                 lx = x + "".join(f" {k} {v}" for k, v in px.items())
@@ -239,6 +242,35 @@ def d2o() -> str | None:
             + claims_2048(recs, pairs))
 
 
+def sliminfer() -> str | None:
+    recs = records_2048("baselines", "sliminfer")
+    if not any(r["method"] == "sliminfer" for r in recs):
+        return None
+    pairs = [("sliminfer", "full", {}, {}), ("lazyllm", "full", {}, {})]
+    return (intro_2048(recs, "sliminfer_2048.jsonl and baselines_2048.jsonl",
+                       " SlimInfer and LazyLLM prune the prefill itself and run their own "
+                       "(not shared): their TTFT is the whole prefill, against full's shared "
+                       "prefill plus its own step. Their budget is their pruning schedule "
+                       "(defaults); `kv` is what stays on the device.")
+            + "\n\n" + table_2048(recs, {"full", "sliminfer", "lazyllm"}) + "\n\n"
+            + claims_2048(recs, pairs, budgets=(None,)))
+
+
+def asl() -> str | None:
+    recs = records_2048("baselines", "baselines_k17", "asl")
+    if not any(r["method"] == "asl" for r in recs):
+        return None
+    pairs = [("asl", "fastkv", {}, {}), ("asl", "gemfilter", {}, {}),
+             ("asl", "snapkv", {}, K17)]
+    return (intro_2048(recs, "asl_2048.jsonl and baselines_*2048.jsonl",
+                       " ASL, FastKV and GemFilter select 256 tokens (1/8) at their selection "
+                       "layer and run their own prefill (not shared).")
+            + "\n\n" + table_2048([r for r in recs if r["method"] != "snapkv" or
+                                    r["method_params"].get("kernel") == 17],
+                                   {"full", "asl", "fastkv", "gemfilter", "snapkv"})
+            + "\n\n" + claims_2048(recs, pairs, budgets=((256, "1/8"),)))
+
+
 def slim(path: Path, every: bool = False) -> None:
     """Drop what makes these records 50 KB each and says nothing here: the per-batch
     `layer_budgets` (the per-sample details repeat them), and the per-sample ones of methods
@@ -276,7 +308,9 @@ def main(argv=None) -> int:
     report.replace_section(ROOT / "MODEL.md", "smollm2-calibration", calibration(records))
     report.replace_section(ROOT / "docs" / "results" / "pooling.md", "pooling", pooling(records))
     for page, marker, render in (("baselines.md", "smollm2-baselines", baselines),
-                                 ("lava.md", "smollm2-lava", lava), ("d2o.md", "smollm2-d2o", d2o)):
+                                 ("lava.md", "smollm2-lava", lava), ("d2o.md", "smollm2-d2o", d2o),
+                                 ("sliminfer.md", "smollm2-sliminfer", sliminfer),
+                                 ("asl.md", "smollm2-asl", asl)):
         body = render()
         if body:
             report.replace_section(ROOT / "docs" / "results" / page, marker, body)
