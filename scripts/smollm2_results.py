@@ -256,6 +256,15 @@ def sliminfer() -> str | None:
             + claims_2048(recs, pairs, budgets=(None,)))
 
 
+def _asl_layers(recs: list[dict]) -> str:
+    r = next(r for r in recs if r["method"] == "asl")
+    fell = sum(bool(d.get("fallback_snapkv")) for d in r["details"])
+    layers = sorted({d.get("selection_layer") for d in r["details"]} - {-1, None})
+    return (f"{fell} of {len(r['details'])} prompts never crossed tau = "
+            f"{r['method_params']['tau']} and fell back to SnapKV's selection (kernel "
+            f"{r['method_params']['kernel']}); layers chosen otherwise: {layers or 'none'}")
+
+
 def asl() -> str | None:
     recs = records_2048("baselines", "baselines_k17", "asl")
     if not any(r["method"] == "asl" for r in recs):
@@ -264,7 +273,8 @@ def asl() -> str | None:
              ("asl", "snapkv", {}, K17)]
     return (intro_2048(recs, "asl_2048.jsonl and baselines_*2048.jsonl",
                        " ASL, FastKV and GemFilter select 256 tokens (1/8) at their selection "
-                       "layer and run their own prefill (not shared).")
+                       "layer and run their own prefill (not shared). ASL's selection layer: "
+                       + _asl_layers(recs) + ".")
             + "\n\n" + table_2048([r for r in recs if r["method"] != "snapkv" or
                                     r["method_params"].get("kernel") == 17],
                                    {"full", "asl", "fastkv", "gemfilter", "snapkv"})
