@@ -285,14 +285,26 @@ def slim(path: Path, every: bool = False) -> None:
     """Drop what makes these records 50 KB each and says nothing here: the per-batch
     `layer_budgets` (the per-sample details repeat them), and the per-sample ones of methods
     whose budget is the same for every layer and head (SnapKV, H2O, TOVA, StreamingLLM at
-    `--budget`; Ada-SnapKV's per-head counts stay unless `every`: 25 KB a record)."""
+    `--budget`; Ada-SnapKV's per-head counts stay unless `every`: 25 KB a record). With
+    `every` also every per-batch statistic the details repeat per sample, and each
+    per-sample statistic over 512 bytes (LazyLLM's kept blocks, D2O's thresholds, LAVa's
+    layer weights: up to 15 KB a sample); the pages read accuracy, budgets, timings and
+    the selection layers only."""
     import json
 
     out = []
     for r in report.load_records(path):
-        (r.get("method_stats") or {}).pop("layer_budgets", None)
+        stats = r.get("method_stats") or {}
+        stats.pop("layer_budgets", None)
+        details = r.get("details") or []
+        if every:
+            for k in {k for d in details for k in d} & set(stats):
+                stats.pop(k)
+            for d in details:
+                for k in [k for k, v in d.items() if len(json.dumps(v)) > 512]:
+                    d.pop(k)
         if every or not r["method"].startswith("ada_"):
-            for d in r.get("details") or []:
+            for d in details:
                 d.pop("layer_budgets", None)
         out.append(json.dumps(r) + "\n")
     tmp = path.with_suffix(".tmp")
