@@ -92,12 +92,13 @@ def test_longbench_files_and_synthetic_tasks_in_one_sweep(model_dir, tmp_path, c
     recs = _records(model_dir, capsys, tmp_path / "r.json", "--task",
                     f"passkey,longbench:{LB_QA},longbench:{LB_SYN}", "--context", "128",
                     "--samples", "1", "--method", "full,streaming_llm", "--budget", "16")
+    # written task by task (the methods on one task's prompts share its prefill)
     assert [(r["method"], r["task"], r["context_length"]) for r in recs] == [
-        ("full", "passkey", 128), ("full", "longbench:longbench_qa", None),
+        ("full", "passkey", 128), ("streaming_llm", "passkey", 128),
+        ("full", "longbench:longbench_qa", None), ("streaming_llm", "longbench:longbench_qa", None),
         ("full", "longbench:longbench_synthetic", None),
-        ("streaming_llm", "passkey", 128), ("streaming_llm", "longbench:longbench_qa", None),
         ("streaming_llm", "longbench:longbench_synthetic", None)]
-    syn = recs[2]
+    syn = recs[4]
     # --samples caps a file's samples too: the first of those --fraction picks
     assert syn["samples"] == 1 and syn["benchmark"]["records_in_file"] == 4
     qa = _records(model_dir, capsys, tmp_path / "q.json", "--task", f"longbench:{LB_QA}")[0]
