@@ -113,9 +113,7 @@ def attend_blocked(q_BTHD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS, slidin
         return attend(q_BTHD, k_BKSD, v_BKSD, mask(qpos_BT, kpos_BKS, kvalid_BKS,
                                                    sliding_window))
     nq, nk = T // bq, S // bq
-    # scaled once here, not per tile
-    q_BKGTD = (q_BTHD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4) * D**-0.5).astype(
-        q_BTHD.dtype)
+    q_BKGTD = q_BTHD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
     cut = lambda a, i, axis: jax.lax.dynamic_slice_in_dim(a, i * bq, bq, axis)  # noqa: E731
 
     def element(args):
@@ -128,7 +126,8 @@ def attend_blocked(q_BTHD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS, slidin
                 m, z, acc = carry
                 s = jnp.einsum("kmd,ksd->kms", qi, cut(k, j, 1),
                                preferred_element_type=jnp.float32)
-                s = s.reshape(K, G, bq, bq)
+                # scaled in float32 as `logits` does (a bf16 q scaled first would round)
+                s = s.reshape(K, G, bq, bq) * (D**-0.5)
                 ok = mask(qp[None], cut(kpos, j, 1)[None], cut(kvalid, j, 1)[None],
                           sliding_window)[0][:, None]
                 s = jnp.where(ok, s, -jnp.inf)
