@@ -1,4 +1,4 @@
-"""ASL vs FastKV, GemFilter and SnapKV on the bundled model (issue 7) -> docs/results/asl.md.
+"""ASL vs FastKV, GemFilter and SnapKV on the bundled model (issue 7) -> docs/results/tiny/asl.md.
 
     python scripts/asl_results.py                                  # full (hours on CPU)
     python scripts/asl_results.py --samples 1 --context 256 --budgets 48 --out /tmp/asl_res
@@ -128,7 +128,7 @@ def selection_sections(records: list[dict], a) -> list[str]:
 def write_report(records: list[dict], a) -> str:
     out = a.out.resolve()
     out = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
-    parts = ["# ASL vs FastKV, GemFilter, SnapKV (issue 7)", "",
+    parts = ["# ASL vs FastKV, GemFilter, SnapKV (issue 7) (tiny-retrieval)", "",
              f"Measured by `python scripts/asl_results.py --model {a.model} --samples {a.samples} "
              f"--seed {a.seed} --budgets {a.budgets} --context {a.context} --tasks {a.tasks} "
              f"--methods {a.methods}{''.join(f' --set {kv}' for kv in a.set)} --out {out}`"
@@ -148,7 +148,7 @@ def write_report(records: list[dict], a) -> str:
 
 
 def main(argv=None) -> int:
-    p = report.results_parser(__doc__, ROOT / "docs" / "results")
+    p = report.results_parser(__doc__, ROOT / "docs" / "results" / "tiny")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--budgets", default="128,256,512")
     p.add_argument("--tasks", default=TASKS)

@@ -1,5 +1,5 @@
 """CriticalKV results: accuracy vs budget (base method vs its critical form) and the
-per-layer output perturbation, written to docs/results/criticalkv.md.
+per-layer output perturbation, written to docs/results/tiny/criticalkv.md.
 
     python scripts/criticalkv_results.py                      # full (hours on CPU)
     python scripts/criticalkv_results.py --samples 2 --budgets 64 --tasks niah_single \
@@ -120,7 +120,7 @@ def perturbation_table(a) -> str:
 
 
 def main(argv=None) -> int:
-    p = report.results_parser(__doc__, ROOT / "docs" / "results")
+    p = report.results_parser(__doc__, ROOT / "docs" / "results" / "tiny")
     p.add_argument("--budgets", default="48,64,128,256")
     p.add_argument("--tasks", default="niah_multikey,kv_retrieval,variable_tracking")
     p.add_argument("--context", type=int, default=2048)
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     measured = {s: json.loads(run_scenario(a, s, a.out).read_text())["records"]
                 for s in a.scenarios.split(",")}
     model = report.model_line([r for recs in measured.values() for r in recs])
-    parts = ["# CriticalKV: base methods vs their critical form", "",
+    parts = ["# CriticalKV: base methods vs their critical form (tiny-retrieval)", "",
              f"Command: `{cmdline}`. {model[0].upper() + model[1:]}, context {a.context}, "
              f"{a.samples} samples per cell, seed {a.seed}. Budget = entries per (layer, KV "
              "head), window included."]

@@ -9,7 +9,7 @@ method (`d2o` without merging is `d2o` with `--set merge=false`), records in
 <out>/d2o_acc_<label>.json. Perplexity: the text `kvjax.tasks.haystack.long_text(n)` is
 prefilled for `--prompt` tokens with each method's cache at rho of that prompt, then fed
 token by token (teacher forcing, `engine.extend` under jit, the method's decode hook
-evicting/merging at every step); NLL of every next token. Writes docs/results/d2o.md
+evicting/merging at every step); NLL of every next token. Writes docs/results/tiny/d2o.md
 (tables via `kvjax.report`, plots when matplotlib imports). Methods not registered are
 listed as missing rather than run (roco and cam are registered since kvjax/methods/d2o/roco.py
 and cam.py).
@@ -95,7 +95,7 @@ def spans(prompt: int, split: int, T: int) -> list[tuple[int, int]]:
 
 
 def main() -> None:
-    p = report.results_parser(__doc__, ROOT / "docs" / "results")
+    p = report.results_parser(__doc__, ROOT / "docs" / "results" / "tiny")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ratios", default="0.2,0.3,0.5")
     p.add_argument("--tasks", default="niah_multikey,kv_retrieval,variable_tracking")
@@ -130,7 +130,7 @@ def main() -> None:
 
     missing = [x for x in a.methods if split(x)[0] not in methods.names()]
     ppl_weights = {"model": model.name, "model_weights": provenance(model.path)}
-    parts = ["# D2O: accuracy and long-text perplexity", "",
+    parts = ["# D2O: accuracy and long-text perplexity (tiny-retrieval)", "",
              f"Command: `python scripts/d2o_results.py --model {a.model} --samples {a.samples} "
              f"--seed {a.seed} --methods {','.join(a.methods)} --tasks {a.tasks} "
              f"--context {a.context} --ratios {','.join(map(str, a.ratios))} "

@@ -1,4 +1,4 @@
-"""LAVa / CAKE budget sweep on the bundled model -> docs/results/lava.md.
+"""LAVa / CAKE budget sweep on the bundled model -> docs/results/tiny/lava.md.
 
     python scripts/lava_results.py                                   # full (hours on CPU)
     python scripts/lava_results.py --samples 2 --budgets 48,64 --context 512 --out /tmp/lava
@@ -81,7 +81,7 @@ def heatmaps(a) -> list[str]:
 
 
 def write_report(records: list[dict], a) -> str:
-    parts = ["# LAVa and CAKE vs SnapKV, PyramidKV, Ada-SnapKV",
+    parts = ["# LAVa and CAKE vs SnapKV, PyramidKV, Ada-SnapKV (tiny-retrieval)",
              "", f"Measured by `python scripts/lava_results.py --model {a.model} --samples "
              f"{a.samples} --budgets {a.budgets} --context {a.context} --tasks {a.tasks}`; "
              f"{report.model_line(records)}. "
@@ -110,7 +110,7 @@ def write_report(records: list[dict], a) -> str:
 
 
 def main(argv=None) -> int:
-    p = report.results_parser(__doc__, ROOT / "docs" / "results")
+    p = report.results_parser(__doc__, ROOT / "docs" / "results" / "tiny")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--budgets", default="64,128,256,512")
     p.add_argument("--tasks", default=TASKS)

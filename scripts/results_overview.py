@@ -59,24 +59,37 @@ def binary_task(task: str) -> bool:
     return False
 
 
+# records kept in a folder of their own (docs/results/smollm2/: one JSONL per sweep) belong
+# to the page their name starts with, or to these
+FOLDER_PAGES = {"card_": "../../MODEL.md", "calib_": "../../MODEL.md", "pool_": "pooling.md",
+                "critical_": "criticalkv.md", "passkey_": "baselines.md"}
+
+
 def page_of(json_path: Path, results: Path) -> str | None:
     """The page a records file belongs to: the `.md` beside it whose name starts the file's
-    name (`lava_question_aware.json` -> `lava.md`), the longest such; None if none does."""
-    best = None
-    for md in json_path.parent.glob("*.md"):
-        if md.name == "README.md":
-            continue
-        mine = json_path.stem == md.stem or json_path.stem.startswith(md.stem + "_")
-        if mine and (best is None or len(md.stem) > len(best.stem)):
-            best = md
-    return None if best is None else best.relative_to(results).as_posix()
+    name (`lava_question_aware.json` -> `lava.md`), the longest such; in a folder without
+    pages, the results folder's page so named, or `FOLDER_PAGES`'; None if none does."""
+    for folder in (json_path.parent, results):
+        best = None
+        for md in folder.glob("*.md"):
+            if md.name == "README.md":
+                continue
+            mine = json_path.stem == md.stem or json_path.stem.startswith(md.stem + "_")
+            if mine and (best is None or len(md.stem) > len(best.stem)):
+                best = md
+        if best is not None:
+            return best.relative_to(results).as_posix()
+        if folder == results or any(folder.glob("*.md")):
+            break
+    return next((page for prefix, page in FOLDER_PAGES.items()
+                 if json_path.stem.startswith(prefix)), None)
 
 
 def load(results: Path) -> list[dict]:
     """Every accuracy record under `results`, each with `_file` and `_page` added, in file
     order; per-sample `details` dropped. Files that are not `kvjax.run` outputs are skipped."""
     out = []
-    for path in sorted(results.rglob("*.json")):
+    for path in sorted([*results.rglob("*.json"), *results.rglob("*.jsonl")]):
         try:
             recs = report.load_records(path)
         except (ValueError, KeyError, TypeError):
@@ -137,11 +150,12 @@ def _budget_key(b) -> float:
 def _page_rank(page: str | None) -> tuple:
     stem = Path(page).stem if page else "~"
     top = page.split("/")[0] if page and "/" in page else ""
-    return (PAGE_ORDER.index(stem) if stem in PAGE_ORDER else len(PAGE_ORDER), top, stem)
+    # the results folder's own pages first, then each subfolder's (tiny/: the appendix)
+    return (top, PAGE_ORDER.index(stem) if stem in PAGE_ORDER else len(PAGE_ORDER), stem)
 
 
 def _link(page: str) -> str:
-    return f"[{Path(page).with_suffix('').as_posix()}]({page})"
+    return f"[{Path(page).with_suffix('').as_posix().lstrip('./')}]({page})"
 
 
 def rank_rows(records: list[dict]) -> None:
@@ -155,7 +169,8 @@ def rank_rows(records: list[dict]) -> None:
     for lab, by_page in tasks.items():
         pages = sorted(by_page, key=_page_rank)
         home[lab] = next((pg for pg in pages if len(by_page[pg]) > 1), pages[0])
-    order = sorted(home, key=lambda lab: (lab != "full", _page_rank(home[lab]), lab))
+    full = {r["_label"] for r in records if r["method"] == "full"}
+    order = sorted(home, key=lambda lab: (lab not in full, _page_rank(home[lab]), lab))
     for r in records:
         r["_rank"] = order.index(r["_label"])
 
@@ -242,7 +257,8 @@ def plot_group(recs: list[dict], tasks: list[str], path: Path, title: str) -> Pa
     plt = report.pyplot()
     if plt is None:
         return None
-    labels = [lab for lab in row_order(recs) if lab != "full"]
+    full = {r["_label"] for r in recs if r["method"] == "full"}
+    labels = [lab for lab in row_order(recs) if lab not in full]
     style = {r["_label"]: report.line_style(r["_rank"] - 1) for r in recs}
     ncol = min(len(tasks), 3)
     free = (-len(tasks)) % ncol
@@ -256,10 +272,10 @@ def plot_group(recs: list[dict], tasks: list[str], path: Path, title: str) -> Pa
     for ax, task in zip(axes.flat, tasks):
         here = [r for r in recs if r["task"] == task]
         for r in here:
-            if r["_label"] == "full":
+            if r["_label"] in full:
                 h = ax.axhline(100 * r["accuracy"], color="k", linewidth=1.2,
                                linestyle=(0, (1, 1)))
-                handles.setdefault("full", h)
+                handles.setdefault(r["_label"], h)
         for lab in labels:
             pts = sorted({(r["kv_fraction"], 100 * r["accuracy"]) for r in here
                           if r["_label"] == lab and r.get("kv_fraction") is not None})
@@ -267,6 +283,7 @@ def plot_group(recs: list[dict], tasks: list[str], path: Path, title: str) -> Pa
                 (h,) = ax.plot(*zip(*pts), label=lab, **style[lab])
                 handles.setdefault(lab, h)
         ax.set_xscale("log", base=2)
+        _ticks(ax, [r["kv_fraction"] for r in here if r.get("kv_fraction")])
         ax.set_ylim(-5, 105)
         ax.set_title(task, fontsize=10)
         ax.set_xlabel("live KV / full cache", fontsize=9)
@@ -275,7 +292,7 @@ def plot_group(recs: list[dict], tasks: list[str], path: Path, title: str) -> Pa
     rest = list(axes.flat[len(tasks):])
     for ax in rest:
         ax.axis("off")
-    order = [lab for lab in ["full", *labels] if lab in handles]
+    order = [lab for lab in [*sorted(full), *labels] if lab in handles]
     if free:  # the legend in the first free panel, one or two columns
         rest[0].legend([handles[k] for k in order], order, loc="center", fontsize=7.5,
                        ncol=1 if len(order) <= 18 else 2, frameon=False)
@@ -284,13 +301,27 @@ def plot_group(recs: list[dict], tasks: list[str], path: Path, title: str) -> Pa
             ax.remove()
         fig.legend([handles[k] for k in order], order, loc="lower center", frameon=False,
                    ncol=3 * ncol // 2, fontsize=7.5)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(title.replace(": ", ":\n") if ncol == 1 else title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
     plt.close(fig)
     _quantize(path)
     return path
+
+
+def _ticks(ax, xs: list[float]) -> None:
+    """Powers of two as the x ticks, or, where the points span less than two of them (a log
+    axis then shows one tick or none), four ticks spread over the points' range."""
+    if not xs:
+        return
+    lo, hi = min(xs), max(xs)
+    ticks = [2.0 ** e for e in range(math.floor(math.log2(lo)), math.ceil(math.log2(hi)) + 1)
+             if lo / 1.1 <= 2.0 ** e <= hi * 1.1]  # a point a hair off 1/16 keeps its tick
+    if len(ticks) < 3:
+        ticks = sorted({float(f"{lo * (hi / lo) ** (i / 3):.2g}") for i in range(4)})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
 
 
 def _quantize(path: Path) -> None:
@@ -354,7 +385,8 @@ def _header(records: list[dict], files: list[str], weights: list, binary: dict) 
          "measured by the script, and every number is a record's. Edit the pages and their "
          "records, then re-run the script."),
         "",
-        f"- Weights: {models}.",
+        f"- Weights: {models}." + (" One part per model, the one measured with the most "
+                                   "samples a cell first." if len(weights) > 1 else ""),
         cells + _samples_note(records),
         ("- Columns `@B`: the budget the method ran at (`--budget`, or the ratio's "
          "`int(n (1 - r))`; what it bounds differs by method: the \"Budgets\" paragraph of "
@@ -371,55 +403,84 @@ def _header(records: list[dict], files: list[str], weights: list, binary: dict) 
     ]
 
 
-def overview(results: Path, out: Path) -> str:
-    records = load(results)
-    if not records:
-        raise SystemExit(f"no kvjax.run accuracy records under {results}")
-    label_variants(records)
-    rank_rows(records)
-    files = sorted({r["_file"] for r in records})
+def _drop_full_only(records: list[dict]) -> tuple[list[dict], list[str]]:
+    """The records less the tasks a (weights, scenario, context) measured with the full
+    cache alone (a model card's), and those tasks named."""
     groups: dict[tuple, list] = defaultdict(list)
     for r in records:
         groups[_weights(r), r["scenario"], r["context_length"]].append(r)
-    weights = sorted({k[0] for k in groups}, key=str)
+    kept, dropped = [], []
+    for (w, scenario, ctx), recs in groups.items():
+        alone = {r["task"] for r in recs} - {r["task"] for r in recs if r["method"] != "full"}
+        dropped += [f"{t} at {ctx} ({w[0]})" for t in sorted(alone)]
+        kept += [r for r in recs if r["task"] not in alone]
+    return kept, sorted(set(dropped))
+
+
+def overview(results: Path, out: Path) -> str:
+    records, full_only = _drop_full_only(load(results))
+    if not records:
+        raise SystemExit(f"no kvjax.run accuracy records under {results}")
+    by_weights: dict[tuple, list] = defaultdict(list)
+    for r in records:
+        by_weights[_weights(r)].append(r)
+    # the best-measured weights first (the most samples a cell): a real LLM before the
+    # bundled model's earlier, smaller runs
+    weights = sorted(by_weights, key=lambda w: (-max(r["samples"] for r in by_weights[w]),
+                                                str(w)))
+    for w in weights:  # rows named and ordered within one model's records
+        label_variants(by_weights[w])
+        rank_rows(by_weights[w])
+    files = sorted({r["_file"] for r in records})
     binary = {t: binary_task(t) for t in sorted({r["task"] for r in records})}
     parts = _header(records, files, weights, binary)
+    many = len(weights) > 1
+    h = "#" if many else ""
     all_notes = []
-    for (w, scenario, ctx), recs in sorted(groups.items(), key=lambda kv: (
-            str(kv[0][0]), kv[0][1] != "question_aware", kv[0][1], kv[0][2])):
-        tasks = sorted({r["task"] for r in recs})
-        samples = sorted({r["samples"] for r in recs})
-        name = SCENARIO_NAMES.get(scenario, scenario)
-        heading = f"{name}, context {ctx}"
-        if len(weights) > 1:
-            heading += f" ({report.model_line(recs)})"
-        seeds = ", ".join(sorted({str(r.get("seed")) for r in recs}))
-        pages = ", ".join(_link(p) for p in sorted({r["_page"] for r in recs if r["_page"]},
-                                                   key=_page_rank))
-        parts += ["", f"## {heading}", "", (f"{len(recs)} records; {', '.join(map(str, samples))}"
-                                             f" samples a cell, seed {seeds}; from {pages}.")]
-        stem = f"overview_{scenario}_{ctx}" + (f"_{w[1][:8]}" if len(weights) > 1 else "")
-        png = plot_group(recs, tasks, out / f"{stem}.png",
-                         f"{name}, context {ctx}: accuracy vs live KV fraction "
-                         f"({'/'.join(map(str, samples))} samples a point)")
-        if png is not None:
-            parts += ["", f"![{heading}]({png.name})"]
-        if len({r.get("budget") for r in recs}) == 1:  # one column a task: one table
-            table, notes = methods_by_tasks(recs, tasks, binary)
-            parts += ["", ("Accuracy %, Wilson 95% interval (mean score % where no "
-                           f"interval), budget {_budget_text(recs[0].get('budget'))}:"),
-                      "", table]
-            all_notes += notes
-            continue
-        for task in tasks:
-            table, notes = task_table(recs, task, binary[task])
-            kind = "accuracy %, Wilson 95% interval" if binary[task] else \
-                "mean score % (not 0/1 per sample: no interval)"
-            parts += ["", f"### {task}, {name}, context {ctx}", "", f"{kind}:", "", table]
-            all_notes += notes
+    for w in weights:
+        groups: dict[tuple, list] = defaultdict(list)
+        for r in by_weights[w]:
+            groups[r["scenario"], r["context_length"]].append(r)
+        if many:
+            parts += ["", f"## {report.model_line(by_weights[w])}"]
+        for (scenario, ctx), recs in sorted(groups.items(), key=lambda kv: (
+                kv[0][0] != "question_aware", kv[0][0], kv[0][1])):
+            tasks = sorted({r["task"] for r in recs})
+            samples = sorted({r["samples"] for r in recs})
+            name = SCENARIO_NAMES.get(scenario, scenario)
+            heading = f"{name}, context {ctx}" + (f" ({w[0]})" if many else "")
+            seeds = ", ".join(sorted({str(r.get("seed")) for r in recs}))
+            pages = ", ".join(_link(p) for p in sorted({r["_page"] for r in recs if r["_page"]},
+                                                       key=_page_rank))
+            parts += ["", f"{h}## {heading}", "",
+                      (f"{len(recs)} records; {', '.join(map(str, samples))} samples a cell, "
+                       f"seed {seeds}; from {pages}.")]
+            stem = f"overview_{scenario}_{ctx}" + (f"_{w[1][:8]}" if many else "")
+            png = plot_group(recs, tasks, out / f"{stem}.png",
+                             f"{w[0]}, {name}, context {ctx}: accuracy vs live KV fraction "
+                             f"({'/'.join(map(str, samples))} samples a point)")
+            if png is not None:
+                parts += ["", f"![{heading}]({png.name})"]
+            if len({r.get("budget") for r in recs}) == 1:  # one column a task: one table
+                table, notes = methods_by_tasks(recs, tasks, binary)
+                parts += ["", ("Accuracy %, Wilson 95% interval (mean score % where no "
+                               f"interval), budget {_budget_text(recs[0].get('budget'))}:"),
+                          "", table]
+                all_notes += notes
+                continue
+            for task in tasks:
+                table, notes = task_table(recs, task, binary[task])
+                kind = "accuracy %, Wilson 95% interval" if binary[task] else \
+                    "mean score % (not 0/1 per sample: no interval)"
+                parts += ["", f"{h}### {task}, {heading}", "", f"{kind}:", "", table]
+                all_notes += notes
     if all_notes:
         parts += ["", "## Cells measured differently by two pages", "",
                   *[f"- {n}" for n in all_notes]]
+    if full_only:
+        parts += ["", "## Measured with the full cache alone", "",
+                  "Not in the tables (no method to compare them with; MODEL.md has them): "
+                  + ", ".join(full_only) + "."]
     parts += ["", "## Pages", "", *page_list(results, records)]
     text = "\n".join(parts) + "\n"
     out.mkdir(parents=True, exist_ok=True)

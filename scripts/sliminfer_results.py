@@ -1,4 +1,4 @@
-"""SlimInfer fidelity and cost on the bundled model: writes docs/results/sliminfer.md.
+"""SlimInfer fidelity and cost on the bundled model: writes docs/results/tiny/sliminfer.md.
 
     python scripts/sliminfer_results.py                 # the full sweep (hours on CPU)
     python scripts/sliminfer_results.py --model random --samples 2 --contexts 512 \\
@@ -104,7 +104,7 @@ def write_report(records: list[dict], a, out: Path, command: str) -> str:
     records = sorted(records, key=key)
     col = lambda r: f"{r['task']} @{r['context_length']}"
     parts = [
-        "# SlimInfer on the bundled model",
+        "# SlimInfer on the bundled model (tiny-retrieval)",
         "",
         f"Measured by `{command}` (one `python -m kvjax.run --details` per method; records in "
         f"`sliminfer_<method>.json`). Question-aware, {a.samples} samples per cell, seed "
@@ -170,7 +170,7 @@ def write_report(records: list[dict], a, out: Path, command: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = report.results_parser(__doc__, ROOT / "docs" / "results")
+    p = report.results_parser(__doc__, ROOT / "docs" / "results" / "tiny")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--tasks", default=TASKS)
     p.add_argument("--contexts", default="2048,4088")

@@ -115,45 +115,86 @@ def calibration(records) -> str:
 
 
 def pooling(records) -> str:
-    lines = ["| method | pooling | kernel | @64 (1/16) | @128 (1/8) |", "|---|---|---|---|---|"]
+    lines = ["| method | pooling | kernel | @64 (1/16) | @128 (1/8) | @256 (1/4) |",
+             "|---|---|---|---|---|---|"]
     seen = sorted({(r["method"], r["method_params"].get("pooling"), r["method_params"]["kernel"])
                    for r in records if r["method"] in ("snapkv", "ada_snapkv")
                    and r["scenario"] == "question_aware"})
     for m, pool, k in seen:
-        cells = [scored(find(records, m, b, pooling=pool, kernel=k)) for b in (64, 128)]
+        cells = [scored(find(records, m, b, pooling=pool, kernel=k)) for b in (64, 128, 256)]
         lines.append(f"| {m} | {pool} | {k} | "
                      + " | ".join(fmt(c) if c else "not run" for c in cells) + " |")
     full = scored(find(records, "full"))
+    return (pooling_intro(records, full) + "\n\n" + "\n".join(lines)
+            + digits(records))
+
+
+def digits(records) -> str:
+    """SnapKV at 1/8, kernels 7 and 17, against the needle value's digit count (SmolLM2
+    writes a digit a token); "" before the sweep has run."""
+    recs = {7: records}
+    for d in (3, 5, 10):
+        recs[d] = records_at(CONTEXT, f"digits_d{d}", f"digits_d{d}_k17",
+                             task=f"niah_single_d{d}")
+    if not any(recs[d] for d in (3, 5, 10)):
+        return ""
+    lines = ["| digits (tokens) | full | snapkv kernel 7 @128 | snapkv kernel 17 @128 |",
+             "|---|---|---|---|"]
+    for d in sorted(recs):
+        cells = [scored(find(recs[d], "full")),
+                 *(scored(find(recs[d], "snapkv", 128, kernel=k, pooling="max"))
+                   for k in (7, 17))]
+        lines.append(f"| {d} | " + " | ".join(fmt(c) if c else "not run" for c in cells) + " |")
+    return ("\n\nThe needle's length: niah_single_d3, _d5 and _d10 (7: niah_single), the "
+            "same prompts' form with a value of 3, 5 or 10 digits (one token each here); "
+            "records docs/results/smollm2/digits_d*_1024.jsonl.\n\n" + "\n".join(lines))
+
+
+def pooling_intro(records, full) -> str:
     return (f"niah_single, plain prompts, {CONTEXT} tokens, question-aware, 50 samples a cell, "
             f"seed 0, window 32; {report.model_line(records)}. Full cache: {fmt(full)}. "
             "Accuracy % [95% Wilson interval]. Rendered by `python scripts/smollm2_results.py` "
-            "from docs/results/smollm2/.\n\n" + "\n".join(lines))
+            "from docs/results/smollm2/.")
 
 
 # the papers claim "better than": a tie cannot show it (MODEL.md's calibration rows, "at
 # least as good as", count a tie as consistent)
 VERDICT = {"pass": "holds", "tie": "cannot tell (a tie)", "fail": "does not hold",
            "uninformative": "cannot tell"}
-BUDGETS = ((256, "1/8"), (128, "1/16"))  # of 2048 tokens
+CONTEXTS = (2048, 1024)  # each page's blocks, in this order
+# each context's baseline records: SnapKV's family at kernels 7 and 17, H2O, TOVA,
+# StreamingLLM and full (at 1024 the calibration's and the model card's)
+BASE = {2048: ("baselines", "baselines_k17"),
+        1024: ("card_plain", "calib_qa", "pool_snapkv_max_k17", "pool_ada_snapkv_max_k17")}
+K17 = {"kernel": 17}
 
 
-def records_2048(*names: str) -> list[dict]:
-    files = [RECORDS / f"{n}_2048.jsonl" for n in names]
+def budgets(ctx: int) -> tuple:
+    return ((ctx // 8, "1/8"), (ctx // 16, "1/16"))
+
+
+def records_at(ctx: int, *names: str, task: str = TASK) -> list[dict]:
+    """The records of `<name>_<ctx>.jsonl` at that context and task, 50 samples or more."""
+    files = [RECORDS / f"{n}_{ctx}.jsonl" for n in names]
     return [r for r in report.load_records(*[f for f in files if f.exists()])
-            if r["samples"] >= 50 and r["context_length"] == 2048]
+            if r["samples"] >= 50 and r["context_length"] == ctx and r["task"] == task]
 
 
 def _name(r: dict) -> str:
-    k = (r.get("method_params") or {}).get("kernel")
-    return r["method"] + (f" (kernel {k})" if k not in (None, 7) else "")
+    p = r.get("method_params") or {}
+    k = p.get("kernel")
+    return (r["method"] + (f" (kernel {k})" if k not in (None, 7) else "")
+            + (" (merge off)" if p.get("merge") is False else ""))
 
 
-def table_2048(recs: list[dict], methods: set | None = None) -> str:
+def table(recs: list[dict], methods: set | None = None,
+          scenario: str = "question_aware") -> str:
     """Accuracy, KV and timing per method and budget."""
     lines = ["| method | budget | accuracy % [95% Wilson] | kv | TTFT s/batch (own) | "
              "TPOT ms |", "|---|---|---|---|---|---|"]
     for r in sorted(recs, key=lambda r: (r["method"] != "full", _name(r), -(r["budget"] or 0))):
-        if methods is not None and r["method"] not in methods:
+        if (methods is not None and r["method"] not in methods) or (
+                r["method"] != "full" and r["scenario"] != scenario):
             continue
         own = f" ({r['ttft_own_s']:.2f})" if r.get("ttft_own_s") is not None else ""
         lines.append(f"| {_name(r)} | {r['budget'] or '-'} | {fmt(scored(r))} | "
@@ -162,15 +203,15 @@ def table_2048(recs: list[dict], methods: set | None = None) -> str:
     return "\n".join(lines)
 
 
-def claims_2048(recs: list[dict], pairs, budgets=BUDGETS) -> str:
-    """"a >= b" judged at each budget for each (a, b, params of a, params of b); a budget
-    None: the methods' own defaults (full's record for b = full)."""
+def claims(recs: list[dict], pairs, at, scenario: str = "question_aware") -> str:
+    """"a >= b" judged at each (budget, name) of `at` for each (a, b, params of a, params
+    of b); `at` = (None,): the methods' own defaults (full's record for b = full)."""
     rows = []
-    for b, part in (((None, "their defaults"),) if budgets == (None,) else budgets):
+    for b, part in (((None, "their defaults"),) if at == (None,) else at):
         for x, y, px, py in pairs:
             cx = scored(next((r for r in recs if r["method"] == x), None) if b is None
-                        else find(recs, x, b, **px))
-            cy = scored(find(recs, y, b, **py))
+                        else find(recs, x, b, scenario, **px))
+            cy = scored(find(recs, y, b, scenario, **py))
             if cx and cy:
                 v, why = at_least(cx, cy, x, y)
                 lx = x + "".join(f" {k} {v}" for k, v in px.items())
@@ -180,80 +221,129 @@ def claims_2048(recs: list[dict], pairs, budgets=BUDGETS) -> str:
     return "| claim | measured | verdict | why |\n|---|---|---|---|\n" + "\n".join(rows)
 
 
-def intro_2048(recs: list[dict], files: str, extra: str = "") -> str:
+def intro(ctx: int, recs: list[dict], files: str, extra: str = "", task: str = TASK,
+          scenario: str = "question-aware") -> str:
     full = scored(find(recs, "full"))
-    return (f"niah_single, plain prompts, 2048 tokens, question-aware, 50 samples a cell, "
+    (b8, _), (b16, _) = budgets(ctx)
+    return (f"{task}, plain prompts, {ctx} tokens, {scenario}, 50 samples a cell, "
             f"seed 0; {report.model_line(recs)}. Full cache: {fmt(full)}. Budgets are "
-            "entries per layer and KV head (256 = 1/8, 128 = 1/16), methods at their papers' "
-            f"defaults unless a kernel is named (docs/results/pooling.md).{extra} One full "
-            "prefill per batch of 8 served every method that compresses after it "
-            "(`prefill: shared`): TTFT is that prefill plus the method's own compression (in "
-            "brackets). Rendered by `python scripts/smollm2_results.py` from "
-            f"docs/results/smollm2/{files}; the sweeps: `scripts/sweeps_smollm2.sh`. A claim "
-            "\"a >= b\" holds when b's 95% Wilson interval lies wholly below a's, does not "
-            "hold when a's lies wholly below b's, and otherwise cannot be told at 50 samples "
-            "(a tie).")
+            f"entries per layer and KV head ({b8} = 1/8, {b16} = 1/16), methods at their "
+            "papers' defaults unless a kernel is named (docs/results/pooling.md)."
+            f"{extra} Where one full prefill per batch of 8 served every method that "
+            "compresses after it (`prefill: shared` in the records), TTFT is that prefill "
+            "plus the method's own compression (in brackets). Rendered by `python "
+            f"scripts/smollm2_results.py` from docs/results/smollm2/{files}; the sweeps: "
+            "`scripts/sweeps_smollm2.sh`. A claim \"a >= b\" holds when b's 95% Wilson "
+            "interval lies wholly below a's, does not hold when a's lies wholly below b's, "
+            "and otherwise cannot be told at 50 samples (a tie).")
 
 
-K17 = {"kernel": 17}
+def _base_files(ctx: int) -> str:
+    return " and ".join(f"{n}_{ctx}.jsonl" for n in BASE[ctx])
 
 
-def baselines() -> str | None:
-    recs = records_2048("baselines", "baselines_k17")
-    if not recs:
+PYRAMID = (" PyramidKV at its default beta 20 falls back to SnapKV whenever the budget is "
+           "below 20 x its 32-token window (kvpress's rule; docs/methods.md): at these "
+           "budgets it keeps SnapKV's entries, and its rows equal SnapKV's.")
+
+
+def baselines(ctx: int, task: str = TASK) -> str | None:
+    if task == TASK:
+        recs = records_at(ctx, *BASE[ctx])
+        files = _base_files(ctx)
+    else:  # passkey at 1024
+        recs = records_at(ctx, task, f"{task}_k17", task=task)
+        files = f"{task}_{ctx}.jsonl and {task}_k17_{ctx}.jsonl"
+    if not any(r["method"] == "snapkv" for r in recs):
         return None
     pairs = [("snapkv", o, k, {}) for k in ({"kernel": 7}, K17)
              for o in ("h2o", "tova", "streaming_llm")]
-    pairs += [(o, "snapkv", k, k) for k in ({"kernel": 7}, K17) for o in ("ada_snapkv", "pyramidkv")]
-    return (intro_2048(recs, "baselines_*2048.jsonl",
-                       " PyramidKV at its default beta 20 falls back to SnapKV whenever the "
-                       "budget is below 20 x its 32-token window (kvpress's rule; docs/"
-                       "methods.md): at 256 and 128 it keeps SnapKV's entries, and its rows "
-                       "equal SnapKV's, prediction for prediction.")
-            + "\n\n" + table_2048(recs) + "\n\n"
-            + claims_2048(recs, pairs))
+    pairs += [(o, "snapkv", k, k) for k in ({"kernel": 7}, K17)
+              for o in ("ada_snapkv", "pyramidkv")]
+    return (intro(ctx, recs, files, PYRAMID if any(r["method"] == "pyramidkv" for r in recs)
+                  else "", task=task)
+            + "\n\n" + table(recs) + "\n\n" + claims(recs, pairs, budgets(ctx)))
 
 
-def lava() -> str | None:
-    recs = records_2048("baselines", "baselines_k17", "lava_k17")
+def lava(ctx: int) -> str | None:
+    recs = records_at(ctx, *BASE[ctx], "lava_k17")
     if not any(r["method"] in ("lava", "cake") for r in recs):
         return None
     pairs = [("lava", "ada_snapkv", K17, K17), ("ada_snapkv", "snapkv", K17, K17),
              ("lava", "snapkv", K17, K17), ("lava", "cake", K17, K17)]
-    shown = {"full", "snapkv", "ada_snapkv", "lava", "cake"}
+    shown = {"full", "snapkv", "ada_snapkv", "pyramidkv", "lava", "cake"}
     recs = [r for r in recs if r["method"] == "full" or
             (r.get("method_params") or {}).get("kernel") == 17]
-    return (intro_2048(recs, "lava_k17_2048.jsonl and baselines_k17_2048.jsonl",
-                       " Every method here at max pooling, kernel 17: at kernel 7 the "
-                       "SnapKV family keeps no 7-token needle on this model "
-                       "(docs/results/baselines.md), so no ordering can show.")
-            + "\n\n" + table_2048(recs, shown) + "\n\n" + claims_2048(recs, pairs))
+    return (intro(ctx, recs, f"lava_k17_{ctx}.jsonl and {_base_files(ctx)}",
+                  " Every method here at max pooling, kernel 17: at kernel 7 the SnapKV "
+                  "family keeps no 7-token needle on this model (docs/results/baselines.md), "
+                  "so no ordering can show.")
+            + "\n\n" + table(recs, shown) + "\n\n" + claims(recs, pairs, budgets(ctx)))
 
 
-def d2o() -> str | None:
-    recs = records_2048("baselines", "d2o")
+def criticalkv(ctx: int) -> str | None:
+    recs = records_at(ctx, *BASE[ctx], "critical_k17", "critical_co_k17")
+    if not any(r["method"].startswith("critical_") for r in recs):
+        return None
+    recs = [r for r in recs if r["method"] == "full" or
+            (r.get("method_params") or {}).get("kernel") == 17]
+    pairs = [("critical_snapkv", "snapkv", K17, K17), ("critical_adakv", "ada_snapkv", K17, K17)]
+    shown = {"full", "snapkv", "ada_snapkv", "critical_snapkv", "critical_adakv"}
+    co = [r for r in recs if r["scenario"] == "context_only"]
+    (b8, n8), _ = budgets(ctx)
+    out = (intro(ctx, recs, f"critical_k17_{ctx}.jsonl, critical_co_k17_{ctx}.jsonl and "
+                 f"{_base_files(ctx)}",
+                 " Every method here at max pooling, kernel 17 (docs/results/pooling.md); "
+                 "the critical rule (CriticalKV, Alg. 1: half the budget by attention, the "
+                 "rest by attention x the projected value norm) wraps each base method.")
+           + "\n\n**Question-aware**\n\n" + table(recs, shown) + "\n\n"
+           + claims(recs, pairs, budgets(ctx)))
+    if co:
+        at = ((2 * b8, "1/4"), (b8, n8))
+        out += ("\n\n**Context-only** (the paper's setting: the question comes after "
+                "compression; at 1/4 and 1/8, since at 1/8 question-aware SnapKV is already "
+                "the lower bound)\n\n" + table(co, shown, "context_only") + "\n\n"
+                + claims(co, pairs, at, "context_only"))
+    return out
+
+
+def d2o(ctx: int) -> str | None:
+    recs = records_at(ctx, *BASE[ctx], "d2o")
     if not any(r["method"] == "d2o" for r in recs):
         return None
     pairs = [("d2o", "h2o", {}, {}), ("d2o", "streaming_llm", {}, {})]
-    return (intro_2048(recs, "d2o_2048.jsonl and baselines_2048.jsonl",
-                       " D2O's rho 0.2 / 0.4 of the paper are these budgets' neighbours "
-                       "(1/8, 1/16 of the prompt kept); merging on (its default).")
-            + "\n\n" + table_2048(recs, {"full", "d2o", "h2o", "streaming_llm"}) + "\n\n"
-            + claims_2048(recs, pairs))
+    out = (intro(ctx, recs, f"d2o_{ctx}.jsonl and {_base_files(ctx)}",
+                 " D2O at its defaults (merging on).")
+           + "\n\n" + table(recs, {"full", "d2o", "h2o", "streaming_llm"}) + "\n\n"
+           + claims(recs, pairs, budgets(ctx)))
+    rho = records_at(ctx, "d2o_rho", "d2o_nomerge")
+    if any(r["method"] == "d2o" for r in rho):
+        at = sorted({(r["budget"], f"{r['budget']} ({r['budget'] / ctx:.0%})") for r in rho},
+                    reverse=True)
+        on = {"merge": True}
+        pairs = [("d2o", o, on, {}) for o in ("h2o", "streaming_llm")] + [
+            ("d2o", "d2o", on, {"merge": False})]
+        out += ("\n\n**At the paper's KV budgets**, 20% and 40% of the prompt (`--ratio "
+                "0.8,0.6`; docs/results/smollm2/d2o_rho_{0}.jsonl, d2o_nomerge_{0}.jsonl), "
+                "merging on and off:\n\n".format(ctx)
+                + table(rho + [r for r in recs if r["method"] == "full"],
+                        {"full", "d2o", "h2o", "streaming_llm"}) + "\n\n"
+                + claims(rho, pairs, tuple(at)))
+    return out
 
 
-def sliminfer() -> str | None:
-    recs = records_2048("baselines", "sliminfer")
+def sliminfer(ctx: int) -> str | None:
+    recs = records_at(ctx, *BASE[ctx], "sliminfer")
     if not any(r["method"] == "sliminfer" for r in recs):
         return None
     pairs = [("sliminfer", "full", {}, {}), ("lazyllm", "full", {}, {})]
-    return (intro_2048(recs, "sliminfer_2048.jsonl and baselines_2048.jsonl",
-                       " SlimInfer and LazyLLM prune the prefill itself and run their own "
-                       "(not shared): their TTFT is the whole prefill, against full's shared "
-                       "prefill plus its own step. Their budget is their pruning schedule "
-                       "(defaults); `kv` is what stays on the device.")
-            + "\n\n" + table_2048(recs, {"full", "sliminfer", "lazyllm"}) + "\n\n"
-            + claims_2048(recs, pairs, budgets=(None,)))
+    return (intro(ctx, recs, f"sliminfer_{ctx}.jsonl and {_base_files(ctx)}",
+                  " SlimInfer and LazyLLM prune the prefill itself and run their own "
+                  "(not shared): their TTFT is the whole prefill, against full's. Their "
+                  "budget is their pruning schedule (defaults); `kv` is what stays on the "
+                  "device.")
+            + "\n\n" + table(recs, {"full", "sliminfer", "lazyllm"}) + "\n\n"
+            + claims(recs, pairs, (None,)))
 
 
 def _asl_layers(recs: list[dict]) -> str:
@@ -265,20 +355,28 @@ def _asl_layers(recs: list[dict]) -> str:
             f"{r['method_params']['kernel']}); layers chosen otherwise: {layers or 'none'}")
 
 
-def asl() -> str | None:
-    recs = records_2048("baselines", "baselines_k17", "asl")
+def asl(ctx: int) -> str | None:
+    recs = records_at(ctx, *BASE[ctx], "asl")
     if not any(r["method"] == "asl" for r in recs):
         return None
     pairs = [("asl", "fastkv", {}, {}), ("asl", "gemfilter", {}, {}),
              ("asl", "snapkv", {}, K17)]
-    return (intro_2048(recs, "asl_2048.jsonl and baselines_*2048.jsonl",
-                       " ASL, FastKV and GemFilter select 256 tokens (1/8) at their selection "
-                       "layer and run their own prefill (not shared). ASL's selection layer: "
-                       + _asl_layers(recs) + ".")
-            + "\n\n" + table_2048([r for r in recs if r["method"] != "snapkv" or
-                                    r["method_params"].get("kernel") == 17],
-                                   {"full", "asl", "fastkv", "gemfilter", "snapkv"})
-            + "\n\n" + claims_2048(recs, pairs, budgets=((256, "1/8"),)))
+    b8 = budgets(ctx)[0]
+    return (intro(ctx, recs, f"asl_{ctx}.jsonl and {_base_files(ctx)}",
+                  f" ASL, FastKV and GemFilter select {b8[0]} tokens (1/8) at their "
+                  "selection layer and run their own prefill (not shared). ASL's selection "
+                  "layer: " + _asl_layers(recs) + ".")
+            + "\n\n" + table([r for r in recs if r["method"] != "snapkv" or
+                                r["method_params"].get("kernel") == 17],
+                               {"full", "asl", "fastkv", "gemfilter", "snapkv"})
+            + "\n\n" + claims(recs, pairs, (b8,)))
+
+
+def section(render, *extra) -> str | None:
+    """A page's SmolLM2 section: a block per context measured (and the extra blocks)."""
+    blocks = [(f"{ctx} tokens", render(ctx)) for ctx in CONTEXTS] + list(extra)
+    body = "\n\n".join(f"### {head}\n\n{b}" for head, b in blocks if b)
+    return body or None
 
 
 def slim(path: Path, every: bool = False) -> None:
@@ -329,13 +427,13 @@ def main(argv=None) -> int:
     records = load()
     report.replace_section(ROOT / "MODEL.md", "smollm2-calibration", calibration(records))
     report.replace_section(ROOT / "docs" / "results" / "pooling.md", "pooling", pooling(records))
-    for page, marker, render in (("baselines.md", "smollm2-baselines", baselines),
-                                 ("lava.md", "smollm2-lava", lava), ("d2o.md", "smollm2-d2o", d2o),
-                                 ("sliminfer.md", "smollm2-sliminfer", sliminfer),
-                                 ("asl.md", "smollm2-asl", asl)):
-        body = render()
+    pages = {"baselines": section(baselines, ("passkey, 1024 tokens", baselines(1024, "passkey"))),
+             "lava": section(lava), "criticalkv": section(criticalkv), "d2o": section(d2o),
+             "sliminfer": section(sliminfer), "asl": section(asl)}
+    for page, body in pages.items():
         if body:
-            report.replace_section(ROOT / "docs" / "results" / page, marker, body)
+            report.replace_section(ROOT / "docs" / "results" / f"{page}.md", f"smollm2-{page}",
+                                   body)
     print(f"rendered from {len(records)} records")
     return 0
 

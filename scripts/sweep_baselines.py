@@ -82,13 +82,13 @@ def write_report(records: list[dict], a, out: Path) -> str:
     text = "\n".join(parts) + "\n"
     report.replace_section(out / "baselines.md", "tiny-baselines", text) \
         if (out / "baselines.md").exists() else (out / "baselines.md").write_text(
-            f"# Post-prefill eviction baselines\n\n<!-- tiny-baselines -->\n{text}"
-            "<!-- /tiny-baselines -->\n")
+            "# Post-prefill eviction baselines (tiny-retrieval)\n\n<!-- tiny-baselines -->\n"
+            f"{text}<!-- /tiny-baselines -->\n")
     return text
 
 
 def main(argv=None) -> int:
-    p = report.results_parser(__doc__, ROOT / "docs" / "results")
+    p = report.results_parser(__doc__, ROOT / "docs" / "results" / "tiny")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--budgets", default="64,128,256,512")
     p.add_argument("--tasks", default="niah_multikey,kv_retrieval,variable_tracking")

@@ -40,3 +40,33 @@ sweep2 d2o_2048.jsonl --method d2o --budget 256,128
 # their defaults; ASL, FastKV, GemFilter selecting 256 tokens (1/8)
 sweep2 sliminfer_2048.jsonl --method sliminfer,lazyllm
 sweep2 asl_2048.jsonl --method asl,fastkv,gemfilter --budget 256
+# CriticalKV's rule on SnapKV and Ada-SnapKV (kernel 17, against baselines_k17_2048),
+# question-aware; and context-only (the paper's setting), at 1/4 and 1/8
+sweep2 critical_k17_2048.jsonl --method critical_snapkv,critical_adakv --budget 256,128 --set kernel=17
+sweep2 critical_co_k17_2048.jsonl --method snapkv,ada_snapkv,critical_snapkv,critical_adakv \
+  --budget 512,256 --set kernel=17 --scenario context_only
+# 1024: each page's claim at a second length (the 1024 baselines: calib_*, pool_*)
+sweep1() {  # as sweep2, at 1024; TASK=name: another task than niah_single
+  local f=$D/$1 r=${R/--task niah_single/--task ${TASK:-niah_single}}; shift
+  if [ -e "$f" ]; then $r "$@" --output "$f" --resume; else $r "$@" --output "$f"; fi
+  python scripts/smollm2_results.py --slim "$f" --every-method
+}
+sweep1 lava_k17_1024.jsonl --method lava,cake,pyramidkv --budget 128,64 --set kernel=17
+sweep1 d2o_1024.jsonl --method d2o --budget 128,64
+sweep1 sliminfer_1024.jsonl --method sliminfer,lazyllm
+sweep1 asl_1024.jsonl --method asl,fastkv,gemfilter --budget 128
+# D2O at the paper's KV budgets, 20% and 40% of the prompt (kvpress ratio 0.8, 0.6),
+# merging on (default) and off
+sweep2 d2o_rho_2048.jsonl --method d2o,h2o,streaming_llm --ratio 0.8,0.6
+sweep2 d2o_nomerge_2048.jsonl --method d2o --ratio 0.8,0.6 --set merge=false
+# passkey at 1024 (full 92%: a second task the model solves at this length)
+TASK=passkey sweep1 passkey_1024.jsonl --method full,snapkv,ada_snapkv,h2o,tova,streaming_llm --budget 128,64
+TASK=passkey sweep1 passkey_k17_1024.jsonl --method snapkv,ada_snapkv --budget 128,64 --set kernel=17
+# the needle's length against the pooling kernel: 3, 5 and 10 digits (7: niah_single)
+for d in 3 5 10; do
+  TASK=niah_single_d$d sweep1 digits_d${d}_1024.jsonl --method full,snapkv --budget 128
+  TASK=niah_single_d$d sweep1 digits_d${d}_k17_1024.jsonl --method snapkv --budget 128 --set kernel=17
+done
+# the pooling grid at 1/4 (256 of 1024)
+sweep pool_quarter_k7_1024.jsonl --method snapkv,ada_snapkv --budget 256
+sweep pool_quarter_k17_1024.jsonl --method snapkv,ada_snapkv --budget 256 --set kernel=17

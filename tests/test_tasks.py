@@ -40,10 +40,11 @@ def enc(text: str) -> list[int]:
 
 # renderings for real LLMs, in words the task model's tokenizer lacks (MODEL.md, SmolLM2)
 LLM_RENDERINGS = ["niah_multikey_ruler", "niah_single_ruler", "passkey_prose"]
+DIGITS = {"niah_single_d3": 3, "niah_single_d5": 5, "niah_single_d10": 10}
 
 
 def test_names_and_kinds():
-    assert tasks.names() == sorted(NAMES + LLM_RENDERINGS)
+    assert tasks.names() == sorted(NAMES + LLM_RENDERINGS + list(DIGITS))
     for n in NAMES:
         t = tasks.get(n)
         assert t.name == n
@@ -419,6 +420,19 @@ def test_llm_renderings(name):
         else:
             assert "the grass is green" not in s.context
         assert tasks.score(name, f" {s.answer[0]}.", s.answer) == 1.0
+
+
+@pytest.mark.parametrize("name", DIGITS)
+def test_needle_digits(name):
+    """niah_single_dN: a value of N digits, in the context once, scored as niah_single; the
+    7-digit niah_single draws the same samples as before the option (seed for seed)."""
+    for s in tasks.generate(name, context_length=512, n=3, seed=1):
+        assert 1 + tasks.count_tokens(s.prompt) == 512
+        assert len(s.answer) == 1 and re.fullmatch(rf"\d{{{DIGITS[name]}}}", s.answer[0])
+        assert s.context.count(s.answer[0]) == 1
+        assert tasks.score(name, f" {s.answer[0]}.", s.answer) == 1.0
+    assert [s.answer for s in tasks.generate("niah_single", 512, n=2, seed=0)] == \
+        [["4150082"], ["2669073"]]
 
 
 def test_fit_counts_the_given_tokenizer():

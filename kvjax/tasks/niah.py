@@ -22,6 +22,9 @@ is the continuation of the needle, as in RULER and in Landmark Attention's passk
   among distractors far more often in this rendering (MODEL.md). The tiny model's word
   tokenizer has no "mentioned", "provided", ...: it is not trained on these.
 - passkey_prose: the passkey inside grammar sentences instead of the repeated filler.
+- niah_single_d3, _d5, _d10: niah_single with a 3-, 5- or 10-digit value, to measure how
+  the answer's token count meets a method's pooling kernel (docs/results/pooling.md: a
+  tokenizer that spends a token per digit makes niah_single's value 7 tokens).
 
 Needle 0 (the queried one) sits at the requested depth; the other needles are spread around
 the context at roughly equal gaps (depth + j / n_needles, wrapped, with some jitter).
@@ -81,9 +84,9 @@ def ruler_question(key: str) -> list[str]:
 
 class Niah(Task):
     def __init__(self, name: str, n_keys: int, n_values: int, n_queries: int, metric: str,
-                 style: str = "kvjax"):
+                 style: str = "kvjax", digits: int = VALUE_DIGITS):
         self.name, self.n_keys, self.n_values, self.n_queries = name, n_keys, n_values, n_queries
-        self.metric, self.style = metric, style
+        self.metric, self.style, self.digits = metric, style, digits
 
     def question(self, keys: list[str]) -> list[str]:
         if self.style == "ruler":
@@ -99,7 +102,7 @@ class Niah(Task):
 
     def build(self, rng: np.random.Generator, context_length: int, depth: float | None) -> Built:
         keys = choose(rng, vocab.keys(), self.n_keys)
-        values = distinct_numbers(rng, self.n_keys * self.n_values, VALUE_DIGITS)
+        values = distinct_numbers(rng, self.n_keys * self.n_values, self.digits)
         pairs = [(k, values[i * self.n_values + v]) for i, k in enumerate(keys) for v in range(self.n_values)]
         make = ruler_needle if self.style == "ruler" else needle
         needles = [make(k, v) for k, v in pairs]
@@ -173,4 +176,7 @@ TASKS = [
     Niah("niah_multikey_ruler", n_keys=4, n_values=1, n_queries=1, metric="string_match_all",
          style="ruler"),
     Passkey("passkey_prose", prose=True),
+    # the needle's value at other lengths (docs/results/pooling.md)
+    *(Niah(f"niah_single_d{d}", n_keys=1, n_values=1, n_queries=1, metric="exact_contains",
+           digits=d) for d in (3, 5, 10)),
 ]
