@@ -343,7 +343,28 @@ def sliminfer(ctx: int) -> str | None:
                   "budget is their pruning schedule (defaults); `kv` is what stays on the "
                   "device.")
             + "\n\n" + table(recs, {"full", "sliminfer", "lazyllm"}) + "\n\n"
-            + claims(recs, pairs, (None,)))
+            + _prefill_cost(recs, ctx) + claims(recs, pairs, (None,)))
+
+
+def _prefill_cost(recs: list[dict], ctx: int) -> str:
+    """SlimInfer's and LazyLLM's prefill FLOPs (from the records' per-layer token counts)
+    and TTFT as fractions of full's."""
+    from kvjax import api
+    from kvjax.methods.slim.blocks import prefill_flop_ratio
+    from kvjax.models import gguf
+
+    path = api.packaged_file("smollm2-135m")
+    cfg = gguf.config(gguf.reader(path), path)
+    full = find(recs, "full")
+    parts = []
+    for r in recs:
+        if r["method"] in ("sliminfer", "lazyllm"):
+            d = r["details"][0]  # the stage shapes are the bucket's, the same every sample
+            flops = prefill_flop_ratio(cfg, d["layer_tokens"], ctx, d["mlp_tokens"])
+            parts.append(f"{r['method']} {flops:.2f} of full's FLOPs, TTFT "
+                         f"{r['ttft_s'] / full['ttft_s']:.2f} of full's")
+    return ("Prefill cost (`kvjax.methods.slim.blocks.prefill_flop_ratio` over the tokens "
+            "each layer ran; TTFT per batch of 8): " + "; ".join(parts) + ".\n\n")
 
 
 def _asl_layers(recs: list[dict]) -> str:
