@@ -36,13 +36,19 @@ def load() -> list[dict]:
             if r["task"] == TASK and r["context_length"] == CONTEXT and r["samples"] >= 50]
 
 
-def find(records, method, budget=None, scenario="question_aware", **params) -> dict | None:
-    """The record of `method` at `budget` whose method parameters include `params`."""
+def params(r: dict) -> dict:
+    """A record's method parameters, a wrapper's (CriticalKV's) with its base's merged in."""
+    p = dict(r.get("method_params") or {})
+    return {**p.pop("base", {}), **p}
+
+
+def find(records, method, budget=None, scenario="question_aware", **want) -> dict | None:
+    """The record of `method` at `budget` whose method parameters include `want`."""
     for r in records:
-        p = r.get("method_params") or {}
+        p = params(r)
         if (r["method"] == method and r["scenario"] == scenario
                 and (method == "full" or r["budget"] == budget)
-                and all(p.get(k) == v for k, v in params.items())):
+                and all(p.get(k) == v for k, v in want.items())):
             return r
     return None
 
@@ -181,7 +187,7 @@ def records_at(ctx: int, *names: str, task: str = TASK) -> list[dict]:
 
 
 def _name(r: dict) -> str:
-    p = r.get("method_params") or {}
+    p = params(r)
     k = p.get("kernel")
     return (r["method"] + (f" (kernel {k})" if k not in (None, 7) else "")
             + (" (merge off)" if p.get("merge") is False else ""))
@@ -231,7 +237,9 @@ def intro(ctx: int, recs: list[dict], files: str, extra: str = "", task: str = T
             "papers' defaults unless a kernel is named (docs/results/pooling.md)."
             f"{extra} Where one full prefill per batch of 8 served every method that "
             "compresses after it (`prefill: shared` in the records), TTFT is that prefill "
-            "plus the method's own compression (in brackets). Rendered by `python "
+            "plus the method's own compression (in brackets); TTFT and TPOT are the "
+            "sweep's wall times on a 2-core machine that sometimes ran other work: compare "
+            "them within one records file, not across files. Rendered by `python "
             f"scripts/smollm2_results.py` from docs/results/smollm2/{files}; the sweeps: "
             "`scripts/sweeps_smollm2.sh`. A claim \"a >= b\" holds when b's 95% Wilson "
             "interval lies wholly below a's, does not hold when a's lies wholly below b's, "
@@ -273,7 +281,7 @@ def lava(ctx: int) -> str | None:
              ("lava", "snapkv", K17, K17), ("lava", "cake", K17, K17)]
     shown = {"full", "snapkv", "ada_snapkv", "pyramidkv", "lava", "cake"}
     recs = [r for r in recs if r["method"] == "full" or
-            (r.get("method_params") or {}).get("kernel") == 17]
+            params(r).get("kernel") == 17]
     return (intro(ctx, recs, f"lava_k17_{ctx}.jsonl and {_base_files(ctx)}",
                   " Every method here at max pooling, kernel 17: at kernel 7 the SnapKV "
                   "family keeps no 7-token needle on this model (docs/results/baselines.md), "
@@ -286,7 +294,7 @@ def criticalkv(ctx: int) -> str | None:
     if not any(r["method"].startswith("critical_") for r in recs):
         return None
     recs = [r for r in recs if r["method"] == "full" or
-            (r.get("method_params") or {}).get("kernel") == 17]
+            params(r).get("kernel") == 17]
     pairs = [("critical_snapkv", "snapkv", K17, K17), ("critical_adakv", "ada_snapkv", K17, K17)]
     shown = {"full", "snapkv", "ada_snapkv", "critical_snapkv", "critical_adakv"}
     co = [r for r in recs if r["scenario"] == "context_only"]
@@ -294,8 +302,10 @@ def criticalkv(ctx: int) -> str | None:
     out = (intro(ctx, recs, f"critical_k17_{ctx}.jsonl, critical_co_k17_{ctx}.jsonl and "
                  f"{_base_files(ctx)}",
                  " Every method here at max pooling, kernel 17 (docs/results/pooling.md); "
-                 "the critical rule (CriticalKV, Alg. 1: half the budget by attention, the "
-                 "rest by attention x the projected value norm) wraps each base method.")
+                 "the critical rule (CriticalKV paper, Alg. 1: half of each head's budget by "
+                 "the base's attention score, the rest by that score x the value's norm "
+                 "through W_O) wraps each base method.",
+                 scenario="question-aware, then context-only")
            + "\n\n**Question-aware**\n\n" + table(recs, shown) + "\n\n"
            + claims(recs, pairs, budgets(ctx)))
     if co:
@@ -388,7 +398,7 @@ def asl(ctx: int) -> str | None:
                   "selection layer and run their own prefill (not shared). ASL's selection "
                   "layer: " + _asl_layers(recs) + ".")
             + "\n\n" + table([r for r in recs if r["method"] != "snapkv" or
-                                r["method_params"].get("kernel") == 17],
+                                params(r).get("kernel") == 17],
                                {"full", "asl", "fastkv", "gemfilter", "snapkv"})
             + "\n\n" + claims(recs, pairs, (b8,)))
 

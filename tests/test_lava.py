@@ -239,6 +239,7 @@ def test_allocate_water_fill_matches_numpy(seed, Lr, B):
     never grow, so the kept sets of the cascade equal those of one final allocation."""
     from kvjax.methods.lava.cascade import allocate
 
+    allocate = jax.jit(allocate, static_argnums=4)  # one program a shape, not op by op
     rng = np.random.default_rng(seed)
     w = rng.random((Lr, B)) ** 3 + 1e-3  # skewed, so caps bind
     total = rng.integers(10, 400, B)
