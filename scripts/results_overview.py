@@ -100,6 +100,8 @@ def load(results: Path) -> list[dict]:
                     and all(k in r for k in ("method", "task", "context_length", "scenario"))):
                 continue
             r = {k: v for k, v in r.items() if k != "details"}
+            if isinstance(r.get("budget"), list):  # a ratio's [min, max] over the prompts
+                r["budget"] = tuple(r["budget"])
             out.append({**r, "_file": path.relative_to(results).as_posix(), "_page": page})
     return out
 
@@ -140,11 +142,13 @@ def _weights(r: dict) -> tuple:
 def _budget_text(b) -> str:
     if b is None:
         return "none"
+    if isinstance(b, tuple):
+        return "-".join(map(_budget_text, b))
     return str(int(b)) if float(b).is_integer() else f"{b:g}"
 
 
 def _budget_key(b) -> float:
-    return -1.0 if b is None else float(b)
+    return -1.0 if b is None else float(max(b) if isinstance(b, tuple) else b)
 
 
 def _page_rank(page: str | None) -> tuple:

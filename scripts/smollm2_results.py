@@ -198,7 +198,8 @@ def table(recs: list[dict], methods: set | None = None,
     """Accuracy, KV and timing per method and budget."""
     lines = ["| method | budget | accuracy % [95% Wilson] | kv | TTFT s/batch (own) | "
              "TPOT ms |", "|---|---|---|---|---|---|"]
-    for r in sorted(recs, key=lambda r: (r["method"] != "full", _name(r), -(r["budget"] or 0))):
+    top = lambda b: max(b) if isinstance(b, list) else (b or 0)  # noqa: E731
+    for r in sorted(recs, key=lambda r: (r["method"] != "full", _name(r), -top(r["budget"]))):
         if (methods is not None and r["method"] not in methods) or (
                 r["method"] != "full" and r["scenario"] != scenario):
             continue
@@ -328,8 +329,10 @@ def d2o(ctx: int) -> str | None:
            + claims(recs, pairs, budgets(ctx)))
     rho = records_at(ctx, "d2o_rho", "d2o_nomerge")
     if any(r["method"] == "d2o" for r in rho):
-        at = sorted({(r["budget"], f"{r['budget']} ({r['budget'] / ctx:.0%})") for r in rho},
-                    reverse=True)
+        at = []  # a ratio's budget is [min, max] over the prompts' lengths
+        for r in sorted(rho, key=lambda r: r["ratio"]):
+            if r["budget"] not in [b for b, _ in at]:
+                at.append((r["budget"], f"{1 - r['ratio']:.0%} kept ({r['budget']})"))
         on = {"merge": True}
         pairs = [("d2o", o, on, {}) for o in ("h2o", "streaming_llm")] + [
             ("d2o", "d2o", on, {"merge": False})]
