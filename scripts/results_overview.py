@@ -155,7 +155,8 @@ def _page_rank(page: str | None) -> tuple:
     stem = Path(page).stem if page else "~"
     top = page.split("/")[0] if page and "/" in page else ""
     # the results folder's own pages first, then each subfolder's (tiny/: the appendix)
-    return (top, PAGE_ORDER.index(stem) if stem in PAGE_ORDER else len(PAGE_ORDER), stem)
+    return (top, PAGE_ORDER.index(stem) if stem in PAGE_ORDER else len(PAGE_ORDER), stem,
+            page or "")  # the path last: tiny/asl.md and tiny/asl_lobs3/asl.md in one order
 
 
 def _link(page: str) -> str:
