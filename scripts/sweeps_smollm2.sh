@@ -6,11 +6,16 @@ set -u
 D=docs/results/smollm2
 R="python -m kvjax.run --model smollm2-135m --task niah_single --context 1024 --samples 50
    --batch-size 8 --details --no-progress"
-sweep() {  # file, then arguments
-  local f=$D/$1; shift
-  if [ -e "$f" ]; then $R "$@" --output "$f" --resume; else $R "$@" --output "$f"; fi
-  python scripts/smollm2_results.py --slim "$f"  # uniform layer_budgets out: docs stay small
+run() {  # context, file, then arguments; TASK=name: another task than niah_single;
+  # EVERY=1: slim every method's per-sample statistics, not only the uniform layer_budgets
+  local f=$D/$2 r=${R/--context 1024/--context $1}; shift 2
+  r=${r/--task niah_single/--task ${TASK:-niah_single}}
+  if [ -e "$f" ]; then $r "$@" --output "$f" --resume; else $r "$@" --output "$f"; fi
+  python scripts/smollm2_results.py --slim "$f" ${EVERY:+--every-method}  # docs stay small
 }
+sweep() { run 1024 "$@"; }
+sweep1() { EVERY=1 run 1024 "$@"; }
+sweep2() { EVERY=1 run 2048 "$@"; }
 sweep calib_qa_1024.jsonl --method snapkv,ada_snapkv,h2o,tova,streaming_llm --budget 128,64
 # SnapKV's default pooling (max, kernel 7) keeps no needle at 1/8 on this model; kernel 17
 # does (docs/results/pooling.md): the claims that need a working SnapKV use it too
@@ -25,12 +30,6 @@ for k in 5 7 17; do
 done
 # 2048: the baselines on one shared prefill per batch (python -m kvjax.run shares it by
 # default); SnapKV's family again at kernel 17 (docs/results/pooling.md)
-R2=${R/--context 1024/--context 2048}
-sweep2() {
-  local f=$D/$1; shift
-  if [ -e "$f" ]; then $R2 "$@" --output "$f" --resume; else $R2 "$@" --output "$f"; fi
-  python scripts/smollm2_results.py --slim "$f" --every-method
-}
 sweep2 baselines_2048.jsonl --method full,snapkv,ada_snapkv,pyramidkv,h2o,tova,streaming_llm --budget 256,128
 sweep2 baselines_k17_2048.jsonl --method snapkv,ada_snapkv,pyramidkv --budget 256,128 --set kernel=17
 # LAVa and CAKE against the k17 baselines above; D2O against H2O and StreamingLLM
@@ -46,11 +45,6 @@ sweep2 critical_k17_2048.jsonl --method critical_snapkv,critical_adakv --budget 
 sweep2 critical_co_k17_2048.jsonl --method snapkv,ada_snapkv,critical_snapkv,critical_adakv \
   --budget 512,256 --set kernel=17 --scenario context_only
 # 1024: each page's claim at a second length (the 1024 baselines: calib_*, pool_*)
-sweep1() {  # as sweep2, at 1024; TASK=name: another task than niah_single
-  local f=$D/$1 r=${R/--task niah_single/--task ${TASK:-niah_single}}; shift
-  if [ -e "$f" ]; then $r "$@" --output "$f" --resume; else $r "$@" --output "$f"; fi
-  python scripts/smollm2_results.py --slim "$f" --every-method
-}
 sweep1 lava_k17_1024.jsonl --method lava,cake,pyramidkv --budget 128,64 --set kernel=17
 sweep1 d2o_1024.jsonl --method d2o --budget 128,64
 sweep1 sliminfer_1024.jsonl --method sliminfer,lazyllm
