@@ -272,7 +272,7 @@ def test_budget_equal_context_is_full(pair):
 @pytest.fixture(scope="module")
 def bundled():
     """The bundled model in kvjax and in HF transformers (fp32), from the same files."""
-    import kvjax
+    import kvjax.api
 
     path = kvjax.api.BUNDLED_DIR / "tiny-retrieval"
     if not (path / "config.json").exists():

@@ -111,6 +111,31 @@ def test_cumulative_attention_blocks(seed, block):
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-6)
 
 
+def test_cumulative_attention_tiles_equal_query_blocks():
+    """The tiled column sums (T, S multiples of the block) against the query-block fold, on
+    keys that are not the queries' own: a cache of 16 older slots (per-head holes) ahead
+    of a chunk of 16 queries, one row wholly padding in its first query tile (all of its
+    tiles are skipped or dead), one query with no live key. Tolerance: float32 sums in
+    another order (1e-6 relative)."""
+    rng = np.random.default_rng(5)
+    B, T, S, H, K, D, blk = 2, 16, 32, 4, 2, 8, 8
+    q = rng.normal(size=(B, T, H, D)).astype(np.float32) * 2
+    k = rng.normal(size=(B, K, S, D)).astype(np.float32) * 2
+    qvalid = np.ones((B, T), bool)
+    qvalid[1, :9] = False
+    qpos = 16 + np.cumsum(qvalid, 1) - 1
+    kvalid = rng.random((B, K, S)) < 0.8
+    kvalid[:, :, 16:] = qvalid[:, None]
+    kvalid[0, :, :17] = False  # row 0's first query sees no live key
+    kpos = np.concatenate([np.broadcast_to(np.arange(16), (B, K, 16)),
+                           np.broadcast_to(qpos[:, None], (B, K, T))], axis=2)
+    args = [jnp.asarray(x) for x in (q, k, qpos, qvalid, kpos, kvalid)]
+    tiled = scoring.cumulative_attention(*args, block=blk)
+    folded = scoring.cumulative_attention(*args, block=5)  # 5 divides neither: the fold
+    np.testing.assert_allclose(np.asarray(tiled), np.asarray(folded), rtol=1e-6, atol=1e-6)
+    assert np.all(np.asarray(tiled)[~np.broadcast_to(kvalid[:, :, None], tiled.shape)] == 0)
+
+
 def test_observed_attention_divides_by_queries_seen():
     q, k, v, valid, pos = _inputs(3)
     acc = _probs_np(q, k, valid, pos)

@@ -180,16 +180,87 @@ def cumulative_attention(
     kvalid_BKS: Bool[Array, "B K S"],
     block: int = 256,
 ) -> Float[Array, "B K G S"]:
-    """H2O's accumulated attention: column sums of the causal softmax over every valid query
-    (blockwise over queries, `fold_query_blocks`). Padding queries contribute nothing."""
+    """H2O's accumulated attention: column sums of the causal softmax over every valid query.
+    Padding queries contribute nothing.
+
+    In [block, block] tiles when T and S are multiples of `block` (`_tiled_column_sums`),
+    else blockwise over queries (`fold_query_blocks`, [B, H, block, S] at a time)."""
     B, T, H, D = q_BTHD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+    if T % block == 0 and S % block == 0:
+        return _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS,
+                                  block)
 
     def step(acc, probs, ok, v):
         return acc + jnp.sum(jnp.where(v[:, None, None, :, None], probs, 0.0), axis=3)
 
     return fold_query_blocks(step, jnp.zeros((B, K, H // K, S), jnp.float32), q_BTHD, k_BKSD,
                              qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, block)
+
+
+def _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, block):
+    """`cumulative_attention` in tiles, per batch element and query block: one pass over
+    the key blocks for each row's log-sum-exp (max and sum online, as flash attention),
+    a second adding exp(s - lse) into the column sums. A key block no query of the block
+    can see (all in the future: half the tiles of a causal prompt) is skipped. The dense
+    form computes and normalises every [block, S] row band, masked half included, out of
+    cache: 1.3x (one prompt) to 1.7x (a batch of four, 2048) slower on 2 CPU cores."""
+    B, T, H, D = q_BTHD.shape
+    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+    G, nq, nk = H // K, T // block, S // block
+    q_BKGTD = q_BTHD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
+    # a tile is skipped when its earliest live key is after its latest live query
+    big = jnp.iinfo(jnp.int32).max
+    kmin_BN = jnp.min(jnp.where(kvalid_BKS, kpos_BKS, big).reshape(B, K, nk, block), (1, 3))
+    qmax_BN = jnp.max(jnp.where(qvalid_BT, qpos_BT, -1).reshape(B, nq, block), axis=2)
+    cut = lambda a, i, axis: jax.lax.dynamic_slice_in_dim(a, i * block, block, axis)  # noqa: E731
+
+    def element(args):
+        q, k, kpos, kvalid, qpos, qvalid, kmin, qmax = args
+
+        def query_block(i, acc_KGS):
+            q_i = cut(q, i, 2).reshape(K, G * block, D)
+
+            def tile(j):  # masked scaled logits [K, G, block, block]
+                s = jnp.einsum("kmd,ksd->kms", q_i, cut(k, j, 1),
+                               preferred_element_type=jnp.float32)
+                ok = attention.mask(cut(qpos, i, 0)[None], cut(kpos, j, 1)[None],
+                                    cut(kvalid, j, 1)[None])[0][:, None]
+                return jnp.where(ok, s.reshape(K, G, block, block) * (D**-0.5), -jnp.inf)
+
+            def seen(j, f, carry):
+                return jax.lax.cond(kmin[j] <= qmax[i], f, lambda c: c, carry)
+
+            def stats(j, c):
+                def one(c):
+                    m, z = c
+                    s = tile(j)
+                    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                    base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no live key yet
+                    return m_new, (z * jnp.exp(m - base)
+                                   + jnp.sum(jnp.exp(s - base[..., None]), axis=-1))
+                return seen(j, one, c)
+
+            init = (jnp.full((K, G, block), -jnp.inf), jnp.zeros((K, G, block)))
+            m, z = jax.lax.fori_loop(0, nk, stats, init)
+            # a padding query, or one with no live key, adds exp(-inf) = 0 everywhere
+            live = cut(qvalid, i, 0)[None, None] & (z > 0)
+            lse = jnp.where(live, jnp.where(jnp.isfinite(m), m, 0.0)
+                            + jnp.log(jnp.where(z > 0, z, 1.0)), jnp.inf)
+
+            def columns(j, acc):
+                def one(acc):
+                    p = jnp.exp(tile(j) - lse[..., None])
+                    return jax.lax.dynamic_update_slice_in_dim(
+                        acc, cut(acc, j, 2) + jnp.sum(p, axis=2), j * block, 2)
+                return seen(j, one, acc)
+
+            return jax.lax.fori_loop(0, nk, columns, acc_KGS)
+
+        return jax.lax.fori_loop(0, nq, query_block, jnp.zeros((K, G, S), jnp.float32))
+
+    return jax.lax.map(element, (q_BKGTD, k_BKSD, kpos_BKS, kvalid_BKS, qpos_BT, qvalid_BT,
+                                 kmin_BN, qmax_BN))
 
 
 def observed_attention(
