@@ -42,8 +42,9 @@ def test_fused_equals_chunked(sliding_window, pad):
     assert not np.any(np.asarray(got)[~np.asarray(valid)])  # padding queries: zeros
 
 
-@pytest.mark.parametrize("T, sliding_window, ordered", [  # 64-blocks, 256-blocks, dense
-    (320, None, True), (320, 70, True), (512, None, True), (512, 70, False), (100, None, True)])
+@pytest.mark.parametrize("T, sliding_window, ordered", [  # 64-blocks, 256-blocks, dense,
+    (320, None, True), (320, 70, True), (512, None, True), (512, 70, False), (100, None, True),
+    (1024, None, True), (1024, 300, True), (1024, None, False)])  # 512 queries x 256 keys
 def test_blocked_equals_chunked(T, sliding_window, ordered):
     # the tiled online softmax against the dense one; ordered skips the key blocks past a
     # query block, which a left-padded prompt's mask hides anyway

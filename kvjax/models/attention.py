@@ -103,31 +103,36 @@ def attend_blocked(q_BTHD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS, slidin
 
     `ordered`: the keys are the queries' own tokens in slot order (slot i holds query i's
     key, positions increase with the slot: a left-padded prompt), so a query block stops
-    at the key block holding its last slot (causal: half the tiles). Blocks of 256 (128,
-    64 where T and S are not multiples); shorter prompts take `attend`."""
+    at the key block holding its last slot (causal: about half the tiles). Key blocks of
+    256 (128, 64 where T and S are not multiples), query blocks of twice that where T is
+    a multiple of it; shorter prompts take `attend`."""
     B, T, H, D = q_BTHD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
     G = H // K
-    bq = next((b for b in (256, 128, 64) if T % b == 0 and S % b == 0), None)
-    if bq is None or T < 2 * bq:
+    bk = next((b for b in (256, 128, 64) if T % b == 0 and S % b == 0), None)
+    if bk is None or T < 2 * bk:
         return attend(q_BTHD, k_BKSD, v_BKSD, mask(qpos_BT, kpos_BKS, kvalid_BKS,
                                                    sliding_window))
-    nq, nk = T // bq, S // bq
+    # query blocks twice the key blocks where T allows: the tile's two matmuls are larger
+    # ([G*512, D] x [D, 256]); 10-20% faster at 4096 than square 256 tiles on 2 CPU
+    # cores, though the causal diagonal now costs two tiles a query block, not one
+    bq = 2 * bk if T % (2 * bk) == 0 and T >= 4 * bk else bk
+    nq, nk = T // bq, S // bk
     q_BKGTD = q_BTHD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
-    cut = lambda a, i, axis: jax.lax.dynamic_slice_in_dim(a, i * bq, bq, axis)  # noqa: E731
+    cut = lambda a, i, axis, n=bk: jax.lax.dynamic_slice_in_dim(a, i * n, n, axis)  # noqa: E731
 
     def element(args):
         q, k, v, qpos, kpos, kvalid = args  # one batch element
 
         def query_block(i):
-            qi, qp = cut(q, i, 2).reshape(K, G * bq, D), cut(qpos, i, 0)
+            qi, qp = cut(q, i, 2, bq).reshape(K, G * bq, D), cut(qpos, i, 0, bq)
 
             def key_block(j, carry):
                 m, z, acc = carry
                 s = jnp.einsum("kmd,ksd->kms", qi, cut(k, j, 1),
                                preferred_element_type=jnp.float32)
                 # scaled in float32 as `logits` does (a bf16 q scaled first would round)
-                s = s.reshape(K, G, bq, bq) * (D**-0.5)
+                s = s.reshape(K, G, bq, bk) * (D**-0.5)
                 ok = mask(qp[None], cut(kpos, j, 1)[None], cut(kvalid, j, 1)[None],
                           sliding_window)[0][:, None]
                 s = jnp.where(ok, s, -jnp.inf)
@@ -135,12 +140,12 @@ def attend_blocked(q_BTHD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS, slidin
                 base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no live key yet: 0
                 p = jnp.exp(s - base[..., None])
                 scale = jnp.exp(m - base)  # m = -inf: 0
-                pv = jnp.einsum("kms,ksd->kmd", p.reshape(K, G * bq, bq).astype(v.dtype),
+                pv = jnp.einsum("kms,ksd->kmd", p.reshape(K, G * bq, bk).astype(v.dtype),
                                 cut(v, j, 1), preferred_element_type=jnp.float32)
                 return (m_new, z * scale + jnp.sum(p, axis=-1),
                         acc * scale[..., None] + pv.reshape(K, G, bq, D))
 
-            n = jnp.minimum(i + 1, nk) if ordered else nk
+            n = jnp.minimum(((i + 1) * bq - 1) // bk + 1, nk) if ordered else nk
             init = (jnp.full((K, G, bq), -jnp.inf, jnp.float32),
                     jnp.zeros((K, G, bq), jnp.float32), jnp.zeros((K, G, bq, D), jnp.float32))
             _, z, acc = jax.lax.fori_loop(0, n, key_block, init)
