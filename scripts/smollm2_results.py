@@ -315,6 +315,12 @@ def criticalkv(ctx: int) -> str | None:
                 "compression; at 1/4 and 1/8, since at 1/8 question-aware SnapKV is already "
                 "the lower bound)\n\n" + table(co, shown, "context_only") + "\n\n"
                 + claims(co, pairs, at, "context_only"))
+    more = [r for r in records_at(ctx, "critical_n150_k17") if r["samples"] >= 150]
+    if any(r["method"] == "critical_snapkv" for r in more):
+        out += (f"\n\n**150 samples** where 50 left the critical rule's gain open (SnapKV at "
+                f"1/16; docs/results/smollm2/critical_n150_k17_{ctx}.jsonl, whose first 50 "
+                "samples are the ones above)\n\n" + table(more, shown) + "\n\n"
+                + claims(more, pairs[:1], budgets(ctx)[1:]))
     return out
 
 
