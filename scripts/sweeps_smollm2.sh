@@ -64,3 +64,15 @@ done
 # the pooling grid at 1/4 (256 of 1024)
 sweep pool_quarter_k7_1024.jsonl --method snapkv,ada_snapkv --budget 256
 sweep pool_quarter_k17_1024.jsonl --method snapkv,ada_snapkv --budget 256 --set kernel=17
+# the rest of the pooling grid: SnapKV and Ada-SnapKV at 1/16, 1/8 and 1/4 for every
+# kernel, max and avg pooling (kernels 7 and 17 at max: calib_qa, pool_*_k17, pool_quarter_*)
+for k in 1 5 11 21; do
+  sweep pool_max_k${k}_1024.jsonl --method snapkv,ada_snapkv --budget 64,128,256 --set kernel=$k
+done
+for k in 5 7 17; do
+  sweep pool_avg_k${k}_1024.jsonl --method snapkv,ada_snapkv --budget 64,128,256 \
+    --set kernel=$k --set pooling=avg
+done
+# CriticalKV's one open cell at 2048 (SnapKV 1/16: 44 vs 28 at 50 samples, a tie): 150
+# samples (the first 50 are the ones above)
+R=${R/--samples 50/--samples 150} sweep2 critical_n150_k17_2048.jsonl --method snapkv,critical_snapkv --budget 128 --set kernel=17
