@@ -64,7 +64,9 @@ def test_blocked_equals_chunked(T, sliding_window, ordered):
 
 @pytest.mark.parametrize("name, kw", [("full", {}), ("snapkv", dict(budget=40, window=8)),
                                       ("asl", dict(select_k=40, window=8, tau=0.9)),
-                                      ("lazyllm", dict(layers=(2, 4)))])
+                                      ("lazyllm", dict(layers=(2, 4))),
+                                      # column sums in tiles (blocked) vs query bands
+                                      ("h2o", dict(budget=40, block=32))])
 def test_runs_are_equal_with_the_fused_prompt_attention(name, kw):
     params = init_params(CFG, jax.random.PRNGKey(0), std=0.3)
     rng = np.random.default_rng(0)

@@ -97,9 +97,11 @@ def test_gqa_reduce(how):
 
 
 @settings(max_examples=5, deadline=None)
-@given(seed=st.integers(0, 10_000), block=st.sampled_from([1, 5, 8, 24, 64]))
-def test_cumulative_attention_blocks(seed, block):
-    """Column sums over every valid query, whatever the query block (5 does not divide 24)."""
+@given(seed=st.integers(0, 10_000), block=st.sampled_from([1, 5, 8, 24, 64]),
+       tiled=st.booleans())
+def test_cumulative_attention_blocks(seed, block, tiled):
+    """Column sums over every valid query, whatever the query block (5 does not divide 24),
+    in query bands or in tiles."""
     q, k, v, valid, pos = _inputs(seed)
     ref = _probs_np(q, k, valid, pos)
     ref = np.where(valid[:, None, None, :, None], ref, 0).sum(3)
@@ -107,7 +109,7 @@ def test_cumulative_attention_blocks(seed, block):
     kpos = np.broadcast_to(pos[:, None], (2, K, 24))
     kval = np.broadcast_to(valid[:, None], (2, K, 24))
     out = scoring.cumulative_attention(*map(jnp.asarray, (q, k, pos, valid, kpos, kval)),
-                                       block=block)
+                                       block=block, tiled=tiled)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-6)
 
 
@@ -130,8 +132,8 @@ def test_cumulative_attention_tiles_equal_query_blocks():
     kpos = np.concatenate([np.broadcast_to(np.arange(16), (B, K, 16)),
                            np.broadcast_to(qpos[:, None], (B, K, T))], axis=2)
     args = [jnp.asarray(x) for x in (q, k, qpos, qvalid, kpos, kvalid)]
-    tiled = scoring.cumulative_attention(*args, block=blk)
-    folded = scoring.cumulative_attention(*args, block=5)  # 5 divides neither: the fold
+    tiled = scoring.cumulative_attention(*args, block=blk, tiled=True)
+    folded = scoring.cumulative_attention(*args, block=blk)
     np.testing.assert_allclose(np.asarray(tiled), np.asarray(folded), rtol=1e-6, atol=1e-6)
     assert np.all(np.asarray(tiled)[~np.broadcast_to(kvalid[:, :, None], tiled.shape)] == 0)
 

@@ -49,6 +49,13 @@ class LayerIO:
     def kv(self) -> LayerKV:
         return LayerKV(self.k, self.v, self.pos, self.valid)
 
+    @property
+    def tiled(self) -> bool:
+        """Whether a score over every query and key goes in tiles
+        (`scoring.cumulative_attention`): where the prompt's attention is the CPU's tiled
+        one; elsewhere (cuDNN, the chunked attention) in query bands."""
+        return self.kernels.prompt_attention() == "blocked"
+
     def at_layer(self, a: Array) -> Array:
         """This layer's slice of a per-layer state array [L, ...]."""
         return jax.lax.dynamic_index_in_dim(a, self.layer, keepdims=False)

@@ -179,15 +179,17 @@ def cumulative_attention(
     kpos_BKS: Int[Array, "B K S"],
     kvalid_BKS: Bool[Array, "B K S"],
     block: int = 256,
+    tiled: bool = False,
 ) -> Float[Array, "B K G S"]:
     """H2O's accumulated attention: column sums of the causal softmax over every valid query.
     Padding queries contribute nothing.
 
-    In [block, block] tiles when T and S are multiples of `block` (`_tiled_column_sums`),
-    else blockwise over queries (`fold_query_blocks`, [B, H, block, S] at a time)."""
+    Blockwise over queries (`fold_query_blocks`, [B, H, block, S] at a time), or with
+    `tiled` (the methods pass it where the prompt attention is the CPU's tiled one) in
+    [block, block] tiles when T and S are multiples of `block` (`_tiled_column_sums`)."""
     B, T, H, D = q_BTHD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
-    if T % block == 0 and S % block == 0:
+    if tiled and T % block == 0 and S % block == 0:
         return _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS,
                                   block)
 
@@ -202,9 +204,10 @@ def _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS,
     """`cumulative_attention` in tiles, per batch element and query block: one pass over
     the key blocks for each row's log-sum-exp (max and sum online, as flash attention),
     a second adding exp(s - lse) into the column sums. A key block no query of the block
-    can see (all in the future: half the tiles of a causal prompt) is skipped. The dense
-    form computes and normalises every [block, S] row band, masked half included, out of
-    cache: 1.3x (one prompt) to 1.7x (a batch of four, 2048) slower on 2 CPU cores."""
+    can see (all in the future: half the tiles of a causal prompt) is skipped. The query-
+    band form computes and normalises every [block, S] row band, masked half included, out
+    of cache: in a sweep at 2048 on 2 CPU cores H2O's hook took 23 s a batch of 8 that way,
+    16 s tiled (docs/results/speed.md)."""
     B, T, H, D = q_BTHD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
     G, nq, nk = H // K, T // block, S // block
@@ -269,14 +272,16 @@ def observed_attention(
     pos_BT: Int[Array, "B T"],
     valid_BT: Bool[Array, "B T"],
     block: int = 256,
+    tiled: bool = False,
 ) -> Float[Array, "B K G T"]:
     """kvpress `ObservedAttentionPress`: column sums divided by the number of queries that
-    see the column (n - i for the token at position i of an n-token prompt)."""
+    see the column (n - i for the token at position i of an n-token prompt); `tiled` as
+    in `cumulative_attention`."""
     B, T = valid_BT.shape
     K = k_BKTD.shape[1]
     kpos = jnp.broadcast_to(pos_BT[:, None], (B, K, T))
     kvalid = jnp.broadcast_to(valid_BT[:, None], (B, K, T))
-    acc = cumulative_attention(q_BTHD, k_BKTD, pos_BT, valid_BT, kpos, kvalid, block)
+    acc = cumulative_attention(q_BTHD, k_BKTD, pos_BT, valid_BT, kpos, kvalid, block, tiled)
     n = jnp.sum(valid_BT, axis=1, dtype=jnp.int32)
     count = jnp.maximum(n[:, None] - pos_BT, 1).astype(jnp.float32)  # [B, T]
     return acc / count[:, None, None, :]

@@ -114,8 +114,8 @@ def attend_blocked(q_BTHD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS, slidin
         return attend(q_BTHD, k_BKSD, v_BKSD, mask(qpos_BT, kpos_BKS, kvalid_BKS,
                                                    sliding_window))
     # query blocks twice the key blocks where T allows: the tile's two matmuls are larger
-    # ([G*512, D] x [D, 256]); 10-20% faster at 4096 than square 256 tiles on 2 CPU
-    # cores, though the causal diagonal now costs two tiles a query block, not one
+    # ([G*512, D] x [D, 256]); 13% faster at 2048 and 4096 than square 256 tiles on 2 CPU
+    # cores (docs/results/speed.md), though the diagonal now costs two tiles, not one
     bq = 2 * bk if T % (2 * bk) == 0 and T >= 4 * bk else bk
     nq, nk = T // bq, S // bk
     q_BKGTD = q_BTHD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)

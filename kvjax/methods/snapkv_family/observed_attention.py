@@ -38,5 +38,6 @@ class ObservedAttention(PrefillEviction):
     def scores(self, io: LayerIO):
         valid = io.valid[:, 0]
         s = scoring.gqa_reduce(
-            scoring.observed_attention(io.q, io.k, io.pos[:, 0], valid, self.block), self.gqa)
+            scoring.observed_attention(io.q, io.k, io.pos[:, 0], valid, self.block, io.tiled),
+            self.gqa)
         return force(s, tail_mask(valid, self.window), valid)
