@@ -288,7 +288,45 @@ def lava(ctx: int) -> str | None:
                   " Every method here at max pooling, kernel 17: at kernel 7 the SnapKV "
                   "family keeps no 7-token needle on this model (docs/results/baselines.md), "
                   "so no ordering can show.")
-            + "\n\n" + table(recs, shown) + "\n\n" + claims(recs, pairs, budgets(ctx)))
+            + "\n\n" + table(recs, shown) + "\n\n" + claims(recs, pairs, budgets(ctx))
+            + _layer_plot(ctx, recs))
+
+
+def _layer_plot(ctx: int, recs: list[dict]) -> str:
+    """The entries each layer kept (summed over its KV heads, mean over the samples) for the
+    methods whose layer budgets differ, one panel a budget: docs/results/lava_layers_<ctx>.png
+    (when the records carry `layer_totals`, `slim`)."""
+    have = [r for r in recs if any("layer_totals" in d for d in r["details"])]
+    if not have:
+        return ""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from results_overview import _quantize
+
+    at = [b for b, _ in budgets(ctx)]
+    fig, axes = plt.subplots(1, len(at), figsize=(4.2 * len(at), 3.2), sharey=True)
+    for ax, (b, part) in zip(axes, budgets(ctx)):
+        for r in sorted((r for r in have if r["budget"] == b), key=_name):
+            t = np.array([d["layer_totals"] for d in r["details"]], float)
+            ax.plot(np.arange(t.shape[1]), t.mean(0), label=_name(r))
+        ax.axhline(3 * b, color="grey", ls="--", lw=1, label="uniform")  # 3 KV heads
+        ax.set_title(f"budget {b} ({part}) a head", fontsize=9)
+        ax.set_xlabel("layer", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("entries kept (sum over KV heads)", fontsize=9)
+    axes[-1].legend(fontsize=8, frameon=False)
+    fig.suptitle(f"SmolLM2-135M, niah_single {ctx}: layer budgets (mean of 50 samples)",
+                 fontsize=10)
+    fig.tight_layout()
+    path = ROOT / "docs" / "results" / f"lava_layers_{ctx}.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    _quantize(path)
+    return (f"\n\nThe layer budgets chosen (entries kept per layer, summed over its 3 KV "
+            f"heads, mean over the samples; the records' `layer_totals`):\n\n"
+            f"![layer budgets at {ctx}]({path.name})")
 
 
 def criticalkv(ctx: int) -> str | None:
@@ -448,8 +486,9 @@ def slim(path: Path, every: bool = False) -> None:
     `--budget`; Ada-SnapKV's per-head counts stay unless `every`: 25 KB a record). With
     `every` also every per-batch statistic the details repeat per sample, and each
     per-sample statistic over 512 bytes (LazyLLM's kept blocks, D2O's thresholds, LAVa's
-    layer weights: up to 15 KB a sample); the pages read accuracy, budgets, timings and
-    the selection layers only."""
+    layer weights: up to 15 KB a sample); the pages read accuracy, budgets, timings, the
+    selection layers, and each sample's entries per layer summed over its heads
+    (`layer_totals`, kept where the layers' budgets differ)."""
     import json
 
     out = []
@@ -463,6 +502,10 @@ def slim(path: Path, every: bool = False) -> None:
             for d in details:
                 for k in [k for k, v in d.items() if len(json.dumps(v)) > 512]:
                     d.pop(k)
+        for d in details:  # per layer, summed over heads, where layers differ (LAVa's plot)
+            lb = d.get("layer_budgets")
+            if lb and len({sum(x) for x in lb}) > 1:
+                d["layer_totals"] = [sum(x) for x in lb]
         if every or not r["method"].startswith("ada_"):
             for d in details:
                 d.pop("layer_budgets", None)
