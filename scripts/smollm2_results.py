@@ -496,16 +496,16 @@ def slim(path: Path, every: bool = False) -> None:
         stats = r.get("method_stats") or {}
         stats.pop("layer_budgets", None)
         details = r.get("details") or []
+        for d in details:  # per layer, summed over heads, where layers differ (LAVa's plot)
+            lb = d.get("layer_budgets")
+            if lb and len({sum(x) for x in lb}) > 1:
+                d["layer_totals"] = [sum(x) for x in lb]
         if every:
             for k in {k for d in details for k in d} & set(stats):
                 stats.pop(k)
             for d in details:
                 for k in [k for k, v in d.items() if len(json.dumps(v)) > 512]:
                     d.pop(k)
-        for d in details:  # per layer, summed over heads, where layers differ (LAVa's plot)
-            lb = d.get("layer_budgets")
-            if lb and len({sum(x) for x in lb}) > 1:
-                d["layer_totals"] = [sum(x) for x in lb]
         if every or not r["method"].startswith("ada_"):
             for d in details:
                 d.pop("layer_budgets", None)

@@ -76,3 +76,7 @@ done
 # CriticalKV's one open cell at 2048 (SnapKV 1/16: 44 vs 28 at 50 samples, a tie): 150
 # samples (the first 50 are the ones above)
 R=${R/--samples 50/--samples 150} sweep2 critical_n150_k17_2048.jsonl --method snapkv,critical_snapkv --budget 128 --set kernel=17
+# ASL, FastKV and GemFilter pooling at kernel 17; ASL also at tau = 3 (this model's relative
+# rank variance never falls to the paper's 0.3: its median minimum is 2.5-3.2)
+sweep1 asl_k17_1024.jsonl --method asl,fastkv,gemfilter --budget 128 --set kernel=17
+sweep1 asl_tau3_k17_1024.jsonl --method asl --budget 128 --set kernel=17 --set tau=3
