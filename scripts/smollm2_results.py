@@ -191,7 +191,8 @@ def _name(r: dict) -> str:
     k = p.get("kernel")
     return (r["method"] + (f" (kernel {k})" if k not in (None, 7) else "")
             + (" (merge off)" if p.get("merge") is False else "")
-            + (f" (tau {p['tau']})" if r["method"] == "asl" and p.get("tau") != 0.3 else ""))
+            + (f" (tau {p['tau']})" if r["method"] == "asl" and p.get("tau", 0.3) != 0.3
+               else ""))
 
 
 def table(recs: list[dict], methods: set | None = None,
@@ -459,6 +460,7 @@ def _asl_k17(ctx: int) -> str:
         return ""
     b8 = budgets(ctx)[0]
     tau3 = [r for r in recs if r["method"] == "asl" and params(r)["tau"] == 3]
+    tau0 = [r for r in recs if r["method"] == "asl" and params(r)["tau"] == 0.3]
     pairs = [("asl", o, t, K17) for t in ({"tau": 0.3}, {"tau": 3.0})
              for o in ("fastkv", "gemfilter")]
     return ("\n\n**At kernel 17** (docs/results/smollm2/asl_k17_{0}.jsonl, "
@@ -466,7 +468,7 @@ def _asl_k17(ctx: int) -> str:
             "kernel 17, as the SnapKV rows do; ASL also at tau = 3, which this model's "
             "relative rank variance does cross (it never reaches the paper's 0.3). ASL's "
             "selection layer at tau 0.3: {1}{2}.\n\n".format(
-                ctx, _asl_layers(recs),
+                ctx, _asl_layers(tau0) if tau0 else "not run",
                 "; at tau 3: " + _asl_layers(tau3) if tau3 else "")
             + table(recs, {"asl", "fastkv", "gemfilter"}) + "\n\n"
             + claims(recs, pairs, (b8,)))
@@ -496,10 +498,12 @@ def slim(path: Path, every: bool = False) -> None:
         stats = r.get("method_stats") or {}
         stats.pop("layer_budgets", None)
         details = r.get("details") or []
-        for d in details:  # per layer, summed over heads, where layers differ (LAVa's plot)
-            lb = d.get("layer_budgets")
-            if lb and len({sum(x) for x in lb}) > 1:
-                d["layer_totals"] = [sum(x) for x in lb]
+        # per layer, summed over heads, where some sample's layers differ (LAVa's plot)
+        totals = [[sum(x) for x in d["layer_budgets"]] for d in details
+                  if d.get("layer_budgets")]
+        if len(totals) == len(details) and any(len(set(t)) > 1 for t in totals):
+            for d, t in zip(details, totals):
+                d["layer_totals"] = t
         if every:
             for k in {k for d in details for k in d} & set(stats):
                 stats.pop(k)

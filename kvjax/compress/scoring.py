@@ -244,7 +244,8 @@ def _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS,
                                    + jnp.sum(jnp.exp(s - base[..., None]), axis=-1))
                 return seen(j, one, c)
 
-            init = (jnp.full((K, G, block), -jnp.inf), jnp.zeros((K, G, block)))
+            init = (jnp.full((K, G, block), -jnp.inf, jnp.float32),
+                    jnp.zeros((K, G, block), jnp.float32))
             m, z = jax.lax.fori_loop(0, nk, stats, init)
             # a padding query, or one with no live key, adds exp(-inf) = 0 everywhere
             live = cut(qvalid, i, 0)[None, None] & (z > 0)
