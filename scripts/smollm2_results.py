@@ -167,11 +167,12 @@ def pooling_intro(records, full) -> str:
 # least as good as", count a tie as consistent)
 VERDICT = {"pass": "holds", "tie": "cannot tell (a tie)", "fail": "does not hold",
            "uninformative": "cannot tell"}
-CONTEXTS = (2048, 1024)  # each page's blocks, in this order
+CONTEXTS = (2048, 1024, 4096)  # each page's blocks, in this order
 # each context's baseline records: SnapKV's family at kernels 7 and 17, H2O, TOVA,
 # StreamingLLM and full (at 1024 the calibration's and the model card's)
 BASE = {2048: ("baselines", "baselines_k17"),
-        1024: ("card_plain", "calib_qa", "pool_snapkv_max_k17", "pool_ada_snapkv_max_k17")}
+        1024: ("card_plain", "calib_qa", "pool_snapkv_max_k17", "pool_ada_snapkv_max_k17"),
+        4096: ("baselines", "baselines_k17")}
 K17 = {"kernel": 17}
 
 

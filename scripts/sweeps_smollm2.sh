@@ -16,6 +16,7 @@ run() {  # context, file, then arguments; TASK=name: another task than niah_sing
 sweep() { run 1024 "$@"; }
 sweep1() { EVERY=1 run 1024 "$@"; }
 sweep2() { EVERY=1 run 2048 "$@"; }
+sweep4() { EVERY=1 run 4096 "$@"; }
 sweep calib_qa_1024.jsonl --method snapkv,ada_snapkv,h2o,tova,streaming_llm --budget 128,64
 # SnapKV's default pooling (max, kernel 7) keeps no needle at 1/8 on this model; kernel 17
 # does (docs/results/pooling.md): the claims that need a working SnapKV use it too
@@ -80,3 +81,7 @@ R=${R/--samples 50/--samples 150} sweep2 critical_n150_k17_2048.jsonl --method s
 # rank variance never falls to the paper's 0.3: its median minimum is 2.5-3.2)
 sweep1 asl_k17_1024.jsonl --method asl,fastkv,gemfilter --budget 128 --set kernel=17
 sweep1 asl_tau3_k17_1024.jsonl --method asl --budget 128 --set kernel=17 --set tau=3
+# 4096: SnapKV and Ada-SnapKV (kernel 17) against TOVA and StreamingLLM (H2O left out: its
+# column sums at 4096 cost about a minute a batch of 8)
+sweep4 baselines_k17_4096.jsonl --method snapkv,ada_snapkv --budget 512,256 --set kernel=17
+sweep4 baselines_4096.jsonl --method full,tova,streaming_llm --budget 512,256
