@@ -191,9 +191,7 @@ def _name(r: dict) -> str:
     p = params(r)
     k = p.get("kernel")
     return (r["method"] + (f" (kernel {k})" if k not in (None, 7) else "")
-            + (" (merge off)" if p.get("merge") is False else "")
-            + (f" (tau {p['tau']})" if r["method"] == "asl" and p.get("tau", 0.3) != 0.3
-               else ""))
+            + (" (merge off)" if p.get("merge") is False else ""))
 
 
 def table(recs: list[dict], methods: set | None = None,
@@ -454,25 +452,16 @@ def asl(ctx: int) -> str | None:
 
 
 def _asl_k17(ctx: int) -> str:
-    """ASL, FastKV and GemFilter with SnapKV's pooling at kernel 17, and ASL with a tau
-    this model's rank variance crosses (when their records exist)."""
-    recs = records_at(ctx, "asl_k17", "asl_tau3_k17")
+    """ASL, FastKV and GemFilter with SnapKV's pooling at kernel 17 (when the records exist)."""
+    recs = records_at(ctx, "asl_k17")
     if not any(r["method"] == "asl" for r in recs):
         return ""
-    b8 = budgets(ctx)[0]
-    tau3 = [r for r in recs if r["method"] == "asl" and params(r)["tau"] == 3]
-    tau0 = [r for r in recs if r["method"] == "asl" and params(r)["tau"] == 0.3]
-    pairs = [("asl", o, t, K17) for t in ({"tau": 0.3}, {"tau": 3.0})
-             for o in ("fastkv", "gemfilter")]
-    return ("\n\n**At kernel 17** (docs/results/smollm2/asl_k17_{0}.jsonl, "
-            "asl_tau3_k17_{0}.jsonl): the three select and pool their kept tokens with "
-            "kernel 17, as the SnapKV rows do; ASL also at tau = 3, which this model's "
-            "relative rank variance does cross (it never reaches the paper's 0.3). ASL's "
-            "selection layer at tau 0.3: {1}{2}.\n\n".format(
-                ctx, _asl_layers(tau0) if tau0 else "not run",
-                "; at tau 3: " + _asl_layers(tau3) if tau3 else "")
+    pairs = [("asl", o, K17, K17) for o in ("fastkv", "gemfilter")]
+    return ("\n\n**At kernel 17** (docs/results/smollm2/asl_k17_{0}.jsonl): the three pool "
+            "their scores with kernel 17, as the SnapKV rows do. ASL's selection layer: "
+            "{1}.\n\n".format(ctx, _asl_layers(recs))
             + table(recs, {"asl", "fastkv", "gemfilter"}) + "\n\n"
-            + claims(recs, pairs, (b8,)))
+            + claims(recs, pairs, (budgets(ctx)[0],)))
 
 
 def section(render, *extra) -> str | None:
