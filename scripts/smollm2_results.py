@@ -6,7 +6,7 @@ exist yet says so.
 
     nice bash scripts/sweeps_smollm2.sh        # the sweeps (resumable), ~6 s a sample on 2 cores
     python scripts/smollm2_results.py          # the two sections
-    python scripts/smollm2_results.py --slim F.jsonl  # drop uniform layer_budgets (size)
+    python scripts/smollm2_results.py --slim F.jsonl  # drop per-sample layer_budgets (size)
 
 The rows are judged as `scripts/calibrate.py` judges them (its docstring): 95% Wilson
 intervals, a difference inside them a tie.
@@ -473,9 +473,8 @@ def section(render, *extra) -> str | None:
 
 def slim(path: Path, every: bool = False) -> None:
     """Drop what makes these records 50 KB each and says nothing here: the per-batch
-    `layer_budgets` (the per-sample details repeat them), and the per-sample ones of methods
-    whose budget is the same for every layer and head (SnapKV, H2O, TOVA, StreamingLLM at
-    `--budget`; Ada-SnapKV's per-head counts stay unless `every`: 25 KB a record). With
+    `layer_budgets` and the per-sample ones ([L, K] a sample; Ada-SnapKV's per-head counts
+    were 25 KB a record; where a sample's layers differ their sums over heads stay). With
     `every` also every per-batch statistic the details repeat per sample, and each
     per-sample statistic over 512 bytes (LazyLLM's kept blocks, D2O's thresholds, LAVa's
     layer weights: up to 15 KB a sample); the pages read accuracy, budgets, timings, the
@@ -500,9 +499,8 @@ def slim(path: Path, every: bool = False) -> None:
             for d in details:
                 for k in [k for k, v in d.items() if len(json.dumps(v)) > 512]:
                     d.pop(k)
-        if every or not r["method"].startswith("ada_"):
-            for d in details:
-                d.pop("layer_budgets", None)
+        for d in details:
+            d.pop("layer_budgets", None)
         out.append(json.dumps(r) + "\n")
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(out))
@@ -515,9 +513,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slim", nargs="+", type=Path, metavar="FILE",
-                   help="only drop the uniform layer_budgets of these records files")
+                   help="only drop the per-layer budgets of these records files (per-layer "
+                        "sums kept where layers differ)")
     p.add_argument("--every-method", action="store_true",
-                   help="with --slim: drop the per-head counts of AdaKV's family too")
+                   help="with --slim: also drop per-batch statistics the samples repeat "
+                        "and per-sample ones over 512 bytes")
     a = p.parse_args(argv)
     if a.slim:
         for f in a.slim:
