@@ -23,9 +23,6 @@ sweep calib_qa_1024.jsonl --method snapkv,ada_snapkv,h2o,tova,streaming_llm --bu
 sweep pool_snapkv_max_k17_1024.jsonl --method snapkv --budget 128,64 --set kernel=17
 sweep calib_co_k17_1024.jsonl --method snapkv --budget 128 --set kernel=17 --scenario context_only
 sweep pool_ada_snapkv_max_k17_1024.jsonl --method ada_snapkv --budget 128,64 --set kernel=17
-for k in 5 7 17; do
-  sweep pool_snapkv_avg_k${k}_1024.jsonl --method snapkv --budget 128 --set kernel=$k --set pooling=avg
-done
 # 2048: the baselines on one shared prefill per batch (python -m kvjax.run shares it by
 # default); SnapKV's family again at kernel 17 (docs/results/pooling.md)
 sweep2 baselines_2048.jsonl --method full,snapkv,ada_snapkv,pyramidkv,h2o,tova,streaming_llm --budget 256,128
