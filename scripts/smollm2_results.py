@@ -357,8 +357,9 @@ def criticalkv(ctx: int) -> str | None:
     more = [r for r in records_at(ctx, "critical_n150_k17") if r["samples"] >= 150]
     if any(r["method"] == "critical_snapkv" for r in more):
         out += (f"\n\n**150 samples** where 50 left the critical rule's gain open (SnapKV at "
-                f"1/16; docs/results/smollm2/critical_n150_k17_{ctx}.jsonl, whose first 50 "
-                "samples are the ones above)\n\n" + table(more, shown) + "\n\n"
+                f"1/16; docs/results/smollm2/critical_n150_k17_{ctx}.jsonl: a draw of its own, "
+                "not a superset of the 50 above, since the task spreads the needle depths "
+                "evenly over the sample count)\n\n" + table(more, shown) + "\n\n"
                 + claims(more, pairs[:1], budgets(ctx)[1:]))
     return out
 

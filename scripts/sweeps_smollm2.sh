@@ -69,7 +69,7 @@ for k in 5 7 17; do
     --set kernel=$k --set pooling=avg
 done
 # CriticalKV's one open cell at 2048 (SnapKV 1/16: 44 vs 28 at 50 samples, a tie): 150
-# samples (the first 50 are the ones above)
+# samples (their own draw: the needle depths are spread over the sample count)
 R=${R/--samples 50/--samples 150} sweep2 critical_n150_k17_2048.jsonl --method snapkv,critical_snapkv --budget 128 --set kernel=17
 # ASL, FastKV and GemFilter pooling at kernel 17 (ASL's tau must lie in (0, 1); this
 # model's relative rank variance stays above 0.79, so no allowed tau makes ASL select)
