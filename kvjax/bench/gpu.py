@@ -17,7 +17,8 @@ later steps keep (`RESERVE_S`); what does not fit is listed as not run:
   the largest context; the Perfetto traces land beside `--out`;
 - kernels: `python -m kvjax.bench.kernels` (each kernel op against its xla reference);
 - xla: `--xla-methods` again with every kernel xla (the comparison);
-- tests: the fast tests on this backend (`pytest -m "not slow"` over `--tests`).
+- tests: the fast tests on this backend (`pytest -m "not slow"` over `--tests`, in
+  `--test-workers` processes); their whole output lands in tests.txt beside `--out`.
 `--append` adds a run's rows to the `--out` file's, for a second run that finishes or
 re-checks what the first could not.
 """
@@ -228,17 +229,21 @@ def profile(model, n: int, out_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def run_tests(tests: str, deadline: float) -> str:
+def run_tests(tests: str, workers: int, deadline: float, log: Path) -> str:
+    """The fast tests on this backend; their whole output goes to `log` (failures named)."""
     left = int(deadline - time.perf_counter())
     if left < 30:
         return "not run (time budget)"
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    xdist = ["-n", str(workers), "--dist", "loadfile"] if workers else []
     try:
-        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow",
-                            "-p", "no:cacheprovider", *tests.split(",")], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=left)
-        return (p.stdout.strip().splitlines() or ["(no output)"])[-1]
-    except subprocess.TimeoutExpired:
+        p = subprocess.run([sys.executable, "-m", "pytest", "-v", "-m", "not slow",
+                            "-p", "no:cacheprovider", *xdist, *tests.split(",")], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=left)
+        log.write_text(p.stdout + p.stderr)
+        return (p.stdout.strip().splitlines() or ["(no output)"])[-1].strip("= ")
+    except subprocess.TimeoutExpired as e:
+        log.write_text(str(e.stdout or "") + str(e.stderr or ""))
         return "stopped (time budget)"
 
 
@@ -328,7 +333,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", default=",".join(STEPS),
                    help=f"comma list of steps, in this order: {','.join(STEPS)}")
     p.add_argument("--tests", default="tests/test_pallas.py,tests/test_engine.py,"
-                   "tests/test_prompt_attention.py")
+                   "tests/test_prompt_attention.py", help="comma list of test paths")
+    p.add_argument("--test-workers", type=int, default=0,
+                   help="pytest-xdist workers for the tests step (0: one process)")
     p.add_argument("--roofline-layers", type=int, default=32,
                    help="layers of the roofline and profile model (the 8B shape has 32)")
     p.add_argument("--roofline-cases", default=None,
@@ -398,7 +405,8 @@ def main(argv=None) -> int:
         elif step == "kernels" and time.perf_counter() < until - 20:
             env["kernels"] = kernel_bench(a.small, contexts)
         elif step == "tests":
-            env["tests"] = run_tests(a.tests, deadline)
+            env["tests"] = run_tests(a.tests, a.test_workers, deadline,
+                                     a.out.parent / "tests.txt")
         later = set(steps[i + 1:])  # free the models no later step uses (device memory)
         need = ({a.roofline_layers} if later & {"roofline", "profile"} else set()) | (
             {a.layers} if later & {"methods", "xla"} else set())
