@@ -79,5 +79,22 @@ def test_runs_are_equal_with_the_fused_prompt_attention(name, kw):
     np.testing.assert_array_equal(np.asarray(a.cache.valid), np.asarray(b.cache.valid))
     np.testing.assert_array_equal(np.where(a.cache.valid, a.cache.pos, -1),
                                   np.where(b.cache.valid, b.cache.pos, -1))
-    assert a.stats["kernels"]["prefill_attention"] == "blocked"  # the default on CPU
+    # the default: tiles on CPU; on a GPU the chunked xla one (cuDNN refuses float32)
+    assert a.stats["kernels"]["prefill_attention"] == (
+        "blocked" if jax.default_backend() == "cpu" else "xla")
     assert b.stats["kernels"]["prefill_attention"] == "fused_xla"
+
+
+def test_auto_never_sends_float32_to_cudnn(monkeypatch):
+    """cuDNN's flash attention refuses float32 queries (seen on an H100, jax 0.11.2): on an
+    NVIDIA GPU `auto` gives a float32 model the chunked attention, and naming cuDNN for
+    one is one clear error."""
+    from kvjax.pallas import dispatch
+
+    monkeypatch.setattr(dispatch, "_auto_prompt_attention", lambda: "cudnn")
+    assert Kernels().prompt_attention(jnp.bfloat16) == "cudnn"
+    assert Kernels().prompt_attention(jnp.float16) == "cudnn"
+    assert Kernels().prompt_attention(jnp.float32) == "xla"
+    assert Kernels(prefill_attention="cudnn").prompt_attention(jnp.bfloat16) == "cudnn"
+    with pytest.raises(ValueError, match="float32"):
+        Kernels(prefill_attention="cudnn").prompt_attention(jnp.float32)

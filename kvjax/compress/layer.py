@@ -54,7 +54,7 @@ class LayerIO:
         """Whether a score over every query and key goes in tiles
         (`scoring.cumulative_attention`): where the prompt's attention is the CPU's tiled
         one; elsewhere (cuDNN, the chunked attention) in query bands."""
-        return self.kernels.prompt_attention() == "blocked"
+        return self.kernels.prompt_attention(self.q.dtype) == "blocked"
 
     def at_layer(self, a: Array) -> Array:
         """This layer's slice of a per-layer state array [L, ...]."""

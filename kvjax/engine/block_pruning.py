@@ -117,7 +117,8 @@ def prefill(m, params, cfg: ModelConfig, tokens_BT, valid_BT, pos_BT, kernels: K
         split = plan.prune_after == "attention"
         # a fused attention masks by slot index: kept blocks keep their order, but a sliding
         # window would count the gaps between them
-        attn = kernels.prompt_attention() if i == 0 or cfg.sliding_window is None else "xla"
+        attn = (kernels.prompt_attention(x.dtype) if i == 0 or cfg.sliding_window is None
+                else "xla")
         x, (k, v, qts) = run_stage(params, cfg, a, b, x, pos, valid, tail,
                                    mlp_first=split and i > 0,
                                    attention_last=split and i < len(plan.stages) - 1, attn=attn)

@@ -54,7 +54,7 @@ def prefill_layers(
         q, k, v = transformer.qkv(p, cfg, x, pos_BT)
         o = attention.attend_prompt(q, k, v, pos_BT, kpos_BKT, kvalid_BKT,
                                     transformer.layer_window(cfg, layer),
-                                    kernels.prompt_attention(), ordered=True)
+                                    kernels.prompt_attention(q.dtype), ordered=True)
         x = transformer.finish_layer(p, cfg, x, o)
         out, st = hook(LayerIO(layer, q, k, v, kpos_BKT, kvalid_BKT, pos_BT, o, x, valid_BT,
                                p["o"], cfg, kernels), st)

@@ -80,7 +80,8 @@ def _prefill_one(m, params, cfg: ModelConfig, tokens, valid, pos, kernels: Kerne
         p = transformer.layer_slice(params, l)
         q, k, v = transformer.qkv(p, cfg, x, pos)
         o = attention.attend_prompt(q, k, v, pos, kpos, kvalid,
-                                    transformer.layer_window(cfg, l), kernels.prompt_attention())
+                                    transformer.layer_window(cfg, l),
+                                    kernels.prompt_attention(q.dtype))
         x = transformer.finish_layer(p, cfg, x, o)
         s_KP = jnp.where(valid[0, :P], m.token_scores(q, k, valid, kernels)[0], -jnp.inf)
         kv = put(kv, l, keep_layer(s_KP, k, v))

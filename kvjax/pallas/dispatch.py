@@ -20,6 +20,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 
 IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
 CHOICES = ("auto", "xla", "pallas", *IMPLEMENTATIONS)
@@ -28,6 +29,7 @@ OPS = ("window_scores", "compact", "decode_attention", "value_norms")
 # (`jax.nn.dot_product_attention`, cuDNN's flash attention); "fused_xla" = the same call's
 # xla implementation (it materialises the scores: small prompts and tests)
 PREFILL_ATTENTION = ("auto", "xla", "blocked", "cudnn", "fused_xla")
+CUDNN_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes (and fp8)
 # (backend, op) pairs whose Pallas kernel was measured faster than the xla reference on that
 # kind of device: `auto` picks Pallas only there (docs/results/gpu.md; H100, jax 0.11.2,
 # 2026-11-26, 8k and 32k: window_scores 1.10-1.21x, value_norms 6.5-9.0x; decode_attention
@@ -67,15 +69,21 @@ class Kernels:
         with their own jnp path (the engine's decode attention) keep it otherwise."""
         return resolve(getattr(self, op), op=op)[0] != "xla"
 
-    def prompt_attention(self) -> str:
-        """The prompt attention's implementation: `auto` is cuDNN's fused attention on an
-        NVIDIA GPU (measured: 643 TFLOP/s on one H100 layer at 32k), the tiled online-
-        softmax attention on CPU (`attention.attend_blocked`: 2.2x the chunked one at 2048
-        on 2 cores), the chunked xla attention elsewhere. Recorded as used (`recording`):
-        callers call it when tracing the attention."""
-        impl = self.prefill_attention
+    def prompt_attention(self, dtype) -> str:
+        """The prompt attention's implementation for queries of `dtype`: `auto` is cuDNN's
+        fused attention on an NVIDIA GPU for 16-bit queries (measured: 643 TFLOP/s on one
+        H100 layer at 32k; cuDNN refuses float32), the tiled online-softmax attention on
+        CPU (`attention.attend_blocked`: 2.2x the chunked one at 2048 on 2 cores), the
+        chunked xla attention elsewhere. Recorded as used (`recording`): callers call it
+        when tracing the attention."""
+        impl, name = self.prefill_attention, jnp.dtype(dtype).name
         if impl == "auto":
             impl = _auto_prompt_attention()
+            if impl == "cudnn" and name not in CUDNN_DTYPES:
+                impl = "xla"
+        elif impl == "cudnn" and name not in CUDNN_DTYPES:
+            raise ValueError(f"kernels: prefill_attention='cudnn' takes {CUDNN_DTYPES} "
+                             f"queries, not {name}; use 'auto' or 'xla'")
         note("prefill_attention", impl)
         return impl
 
