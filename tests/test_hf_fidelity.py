@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -397,7 +398,8 @@ def test_bfloat16_load_and_logits(tmp_path):
     model.save_pretrained(tmp_path)
     ours = kvjax.load(tmp_path, dtype="bfloat16")
     assert all(p.dtype == jnp.bfloat16 for p in ours.params["layers"].values())
-    assert kvjax.load(tmp_path, dtype="auto").params["embed"].dtype == jnp.float32  # CPU
+    auto = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    assert kvjax.load(tmp_path, dtype="auto").params["embed"].dtype == auto
     got, ref = hf_models.prefill_logits(model, ours.cfg, ours.params)
     assert np.abs(got - ref).max() < 0.03 * np.abs(ref).max()
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
@@ -428,6 +430,8 @@ def test_cli_dtype_is_recorded(model_dir, tmp_path, capsys):  # noqa: F811
     from kvjax import report
     from kvjax import run as cli
 
+    if jax.default_backend() != "cpu":
+        pytest.skip("auto is float32 on CPU only (bfloat16 on a GPU or TPU)")
     outs = {d: tmp_path / f"{d}.jsonl" for d in ("bfloat16", "auto")}
     argv = ["--model", str(model_dir), "--task", "passkey", "--context", "128", "--samples",
             "1", "--max-new-tokens", "2", "--no-progress"]
