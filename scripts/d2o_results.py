@@ -4,12 +4,18 @@
     python scripts/d2o_results.py --samples 2 --ratios 0.5 --ppl-tokens 600 --prompt 256 \
         --out /tmp/d2o                                             # a taste
 
+    python scripts/d2o_results.py --model smollm2-135m --ppl-only \
+        docs/results/smollm2/d2o_ppl_genesis.jsonl --ppl-text genesis    # perplexity alone
+
 Accuracy: one `python -m kvjax.run --ratio <1 - rho> --task <tasks> --context 2048` per
 method (`d2o` without merging is `d2o` with `--set merge=false`), records in
-<out>/d2o_acc_<label>.json. Perplexity: the text `kvjax.tasks.haystack.long_text(n)` is
-prefilled for `--prompt` tokens with each method's cache at rho of that prompt, then fed
+<out>/d2o_acc_<label>.json. Perplexity: a long text (`--ppl-text`: the synthetic haystack,
+`kvjax.tasks.haystack.long_text`, or Genesis in the King James Version, `kvjax.tasks.prose`)
+is prefilled for `--prompt` tokens with each method's cache at rho of that prompt, then fed
 token by token (teacher forcing, `engine.extend` under jit, the method's decode hook
-evicting/merging at every step); NLL of every next token. Writes docs/results/tiny/d2o.md
+evicting/merging at every step); NLL of every next token. `--ppl-only FILE` measures
+only the perplexity and appends one JSON line per method, rho and span to FILE (a rerun
+skips what FILE holds); otherwise the script writes docs/results/tiny/d2o.md
 (tables via `kvjax.report`, plots when matplotlib imports). Methods not registered are
 listed as missing rather than run (roco and cam are registered since kvjax/methods/d2o/roco.py
 and cam.py).
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +37,7 @@ import numpy as np  # noqa: E402
 
 from kvjax import api, engine, methods, report  # noqa: E402
 from kvjax.models.checkpoint import provenance  # noqa: E402
-from kvjax.tasks.haystack import long_text  # noqa: E402
+from kvjax.tasks.prose import text_ids  # noqa: E402
 
 METHODS = ["full", "streaming_llm", "h2o", "roco", "cam", "pyramidkv", "d2o", "d2o:merge=false"]
 
@@ -104,14 +111,20 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--ppl-split", type=int, default=2048,
                    help="also report perplexity before/after this position (trained length)")
+    p.add_argument("--ppl-text", default="haystack", help="haystack or genesis")
+    p.add_argument("--ppl-only", type=Path, metavar="FILE",
+                   help="only the perplexity, appended as JSON lines to FILE (resumable)")
     a = p.parse_args()
     a.methods = a.methods.split(",")
     a.ratios = [float(r) for r in a.ratios.split(",")]
     a.out.mkdir(parents=True, exist_ok=True)
 
-    acc = accuracy(a, a.out)
+    acc = [] if a.ppl_only else accuracy(a, a.out)
     model = api.load(a.model)
-    ids = model.encode(long_text(a.ppl_tokens))[: a.ppl_tokens]
+    ids = text_ids(a.ppl_text, model.encode, a.ppl_tokens)
+    done = report.load_records(a.ppl_only) if a.ppl_only and a.ppl_only.exists() else []
+    setting = dict(model=model.name, model_weights=provenance(model.path), text=a.ppl_text,
+                   tokens=len(ids), prompt=a.prompt)
     ppl = []
     for label in a.methods:
         name, sets = split(label)
@@ -119,14 +132,25 @@ def main() -> None:
             continue
         sets = {k: json.loads(v) for k, v in sets.items()}
         for rho in ([None] if name == "full" else a.ratios):
+            key = dict(setting, label=label, rho=rho or 1.0)
+            if any(all(r.get(k) == v for k, v in key.items()) for r in done):
+                continue
             m = methods.create(name, **sets)
             if rho is not None:
                 m = m.with_budget(max(1, int(round(a.prompt * rho))))
+            t0 = time.perf_counter()
             nll = token_nll(model, m, ids, a.prompt)
             for lo, hi in spans(a.prompt, a.ppl_split, len(ids)):
                 ppl.append({"label": label, "rho": rho or 1.0, "span": f"{lo}-{hi}",
                             "ppl": float(np.exp(nll[lo - a.prompt:hi - a.prompt].mean()))})
                 print(ppl[-1], file=sys.stderr)
+                if a.ppl_only:
+                    with open(a.ppl_only, "a") as f:
+                        f.write(json.dumps({**key, **ppl[-1], "method_params": sets,
+                                            "wall_s": round(time.perf_counter() - t0, 1)})
+                                + "\n")
+    if a.ppl_only:
+        return
 
     missing = [x for x in a.methods if split(x)[0] not in methods.names()]
     ppl_weights = {"model": model.name, "model_weights": provenance(model.path)}

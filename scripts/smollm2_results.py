@@ -391,6 +391,37 @@ def d2o(ctx: int) -> str | None:
     return out
 
 
+def d2o_perplexity() -> str | None:
+    """Teacher-forced perplexity with each method's cache, from d2o_ppl_<text>.jsonl."""
+    blocks = []
+    for f in sorted(RECORDS.glob("d2o_ppl_*.jsonl")):
+        recs = report.load_records(f)
+        if not recs:
+            continue
+        r0 = recs[0]
+        rhos = sorted({r["rho"] for r in recs if r["rho"] < 1})
+        full = next((r["ppl"] for r in recs if r["label"] == "full"), None)
+        rows = ["| method | " + " | ".join(f"rho {x:g}" for x in rhos) + " |",
+                "|---|" + "---|" * len(rhos)]
+        rows += [f"| full (the whole cache) | {full:.2f}" + " |" * len(rhos)] if full else []
+        for label in dict.fromkeys(r["label"] for r in recs if r["label"] != "full"):
+            cell = {r["rho"]: r["ppl"] for r in recs if r["label"] == label}
+            rows.append(f"| {label} | " + " | ".join(
+                f"{cell[x]:.2f}" if x in cell else "-" for x in rhos) + " |")
+        wall = sum(r.get("wall_s", 0) for r in recs) / 60
+        blocks.append(
+            f"**{r0['text']}** ({f.name}): the first {r0['prompt']} of {r0['tokens']} tokens "
+            f"prefilled into each method's cache at rho of the prompt, the other "
+            f"{r0['tokens'] - r0['prompt']} fed one at a time, each method evicting (and D2O "
+            f"merging) at every step; perplexity over those {r0['tokens'] - r0['prompt']} "
+            f"tokens ({wall:.0f} min on 2 cores; `python scripts/d2o_results.py --model "
+            f"smollm2-135m --ppl-only docs/results/smollm2/{f.name} --ppl-text {r0['text']} "
+            f"--ppl-tokens {r0['tokens']} --prompt {r0['prompt']} --methods "
+            f"{','.join(dict.fromkeys(r['label'] for r in recs))} --ratios "
+            f"{','.join(f'{x:g}' for x in rhos)}`):\n\n" + "\n".join(rows))
+    return "\n\n".join(blocks) or None
+
+
 def sliminfer(ctx: int) -> str | None:
     recs = records_at(ctx, *BASE[ctx], "sliminfer")
     if not any(r["method"] == "sliminfer" for r in recs):
@@ -528,7 +559,7 @@ def main(argv=None) -> int:
     report.replace_section(ROOT / "MODEL.md", "smollm2-calibration", calibration(records))
     report.replace_section(ROOT / "docs" / "results" / "pooling.md", "pooling", pooling(records))
     pages = {"baselines": section(baselines, ("passkey, 1024 tokens", baselines(1024, "passkey"))),
-             "lava": section(lava), "criticalkv": section(criticalkv), "d2o": section(d2o),
+             "lava": section(lava), "criticalkv": section(criticalkv), "d2o": section(d2o, ("Perplexity of a long text", d2o_perplexity())),
              "sliminfer": section(sliminfer), "asl": section(asl)}
     for page, body in pages.items():
         if body:

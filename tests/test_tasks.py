@@ -453,3 +453,18 @@ def test_fit_counts_the_given_tokenizer():
     assert [s.prompt for s in same] == [s.prompt for s in tasks.generate("niah_multikey", 512, n=3)]
     with pytest.raises(ValueError, match="too small for task 'niah_single' in this tokenizer"):
         tasks.fit("niah_single", 20, count, n=1)
+
+
+def test_prose_texts_are_exact_or_refused():
+    """The shipped natural text and the haystack give exactly the tokens asked for; a text
+    too short, or an unknown one, is refused with its name (never padded)."""
+    from kvjax.tasks import prose
+
+    words = lambda s: s.split()  # noqa: E731 (a whitespace tokenizer stands in)
+    assert prose.genesis().startswith("In the beginning God created the heaven")
+    assert len(prose.text_ids("genesis", words, 1000)) == 1000
+    assert prose.text_ids("genesis", words, 5) == "In the beginning God created".split()
+    with pytest.raises(ValueError, match="'genesis' has .* fewer than the 10000000"):
+        prose.text_ids("genesis", words, 10_000_000)
+    with pytest.raises(ValueError, match="text='pg19'"):
+        prose.text_ids("pg19", words, 10)
