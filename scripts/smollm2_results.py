@@ -485,15 +485,18 @@ def asl(ctx: int) -> str | None:
 
 def _asl_k17(ctx: int) -> str:
     """ASL, FastKV and GemFilter with SnapKV's pooling at kernel 17 (when the records exist)."""
-    recs = records_at(ctx, "asl_k17")
+    recs = records_at(ctx, "asl_k17", "asl_full_before_k17")
     if not any(r["method"] == "asl" for r in recs):
         return ""
     pairs = [("asl", o, K17, K17) for o in ("fastkv", "gemfilter")]
-    return ("\n\n**At kernel 17** (docs/results/smollm2/asl_k17_{0}.jsonl): the three pool "
-            "their scores with kernel 17, as the SnapKV rows do. ASL's selection layer: "
-            "{1}.\n\n".format(ctx, _asl_layers(recs))
-            + table(recs, {"asl", "fastkv", "gemfilter"}) + "\n\n"
-            + claims(recs, pairs, (budgets(ctx)[0],)))
+    if any(r["method"] == "asl_full_before" for r in recs):
+        pairs.append(("asl_full_before", "asl", K17, K17))
+    full = [r for r in records_at(ctx, *BASE[ctx]) if r["method"] == "full"]
+    return ("\n\n**At kernel 17** (docs/results/smollm2/asl_k17_{0}.jsonl, "
+            "asl_full_before_k17_{0}.jsonl): the methods pool their scores with kernel 17, as "
+            "the SnapKV rows do. ASL's selection layer: {1}.\n\n".format(ctx, _asl_layers(recs))
+            + table(full + recs, {"full", "asl", "asl_full_before", "fastkv", "gemfilter"})
+            + "\n\n" + claims(recs, pairs, (budgets(ctx)[0],)))
 
 
 def section(render, *extra) -> str | None:

@@ -74,6 +74,7 @@ R=${R/--samples 50/--samples 150} sweep2 critical_n150_k17_2048.jsonl --method s
 # ASL, FastKV and GemFilter pooling at kernel 17 (ASL's tau must lie in (0, 1); this
 # model's relative rank variance stays above 0.79, so no allowed tau makes ASL select)
 sweep1 asl_k17_1024.jsonl --method asl,fastkv,gemfilter --budget 128 --set kernel=17
+sweep1 asl_full_before_k17_1024.jsonl --method asl_full_before --budget 128 --set kernel=17
 # 4096: SnapKV and Ada-SnapKV (kernel 17) against TOVA and StreamingLLM (H2O left out: its
 # column sums at 4096 cost about a minute a batch of 8)
 sweep4 baselines_k17_4096.jsonl --method snapkv,ada_snapkv --budget 512,256 --set kernel=17
