@@ -14,8 +14,9 @@ method (`d2o` without merging is `d2o` with `--set merge=false`), records in
 is prefilled for `--prompt` tokens with each method's cache at rho of that prompt, then fed
 token by token (teacher forcing, `engine.extend` under jit, the method's decode hook
 evicting/merging at every step); NLL of every next token. `--ppl-only FILE` measures
-only the perplexity and appends one JSON line per method, rho and span to FILE (a rerun
-skips what FILE holds); otherwise the script writes docs/results/tiny/d2o.md
+only the perplexity and appends one JSON line per method, rho and span to FILE, with
+the mean NLL of each 128-token block (`nll_blocks`, for an interval; a rerun skips what
+FILE holds); otherwise the script writes docs/results/tiny/d2o.md
 (tables via `kvjax.report`, plots when matplotlib imports). Methods not registered are
 listed as missing rather than run (roco and cam are registered since kvjax/methods/d2o/roco.py
 and cam.py).
@@ -144,9 +145,13 @@ def main() -> None:
                 ppl.append({"label": label, "rho": rho or 1.0, "span": f"{lo}-{hi}",
                             "ppl": float(np.exp(nll[lo - a.prompt:hi - a.prompt].mean()))})
                 print(ppl[-1], file=sys.stderr)
-                if a.ppl_only:
+                if a.ppl_only:  # per-block mean NLL: the spread behind an interval
+                    blk = nll[lo - a.prompt:hi - a.prompt]
+                    blocks = [float(b.mean())
+                              for b in np.array_split(blk, max(1, len(blk) // 128))]
                     with open(a.ppl_only, "a") as f:
-                        f.write(json.dumps({**key, **ppl[-1], "method_params": sets,
+                        f.write(json.dumps({**key, **ppl[-1], "nll_blocks": blocks,
+                                            "method_params": sets,
                                             "wall_s": round(time.perf_counter() - t0, 1)})
                                 + "\n")
     if a.ppl_only:
