@@ -14,6 +14,14 @@ context, o_hat with the entries kept after compressing the context alone -- over
 queries appended after compression (out-of-sample, as the paper's first decoded token),
 under the base selection and the critical selection at the same budget (mean over
 samples of a retrieval task). Every number comes from the JSON records / this run.
+
+    python scripts/criticalkv_results.py --model smollm2-135m --perturb-only \
+        docs/results/smollm2/critical_perturb_2048.jsonl --perturb-task niah_single \
+        --pairs snapkv,ada_snapkv --perturb-budgets 128,256 --perturb-samples 10 --set kernel=17
+
+`--perturb-only FILE` measures only the perturbation and appends one JSON line per base
+method, budget and sample (the per-layer sums of both selections) to FILE; a rerun skips
+what FILE holds. `--set KEY=VALUE` reaches the methods that have the field.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ def run_scenario(a, scenario, out: Path) -> Path:
 
 
 def perturbation(model, name: str, budget: int, ctx: list[int], question: list[int],
-                 window: int) -> np.ndarray:
+                 window: int, sets: dict | None = None) -> np.ndarray:
     """[2, L]: per layer, the sum over a set of queries of ||(o - o_hat) W_O||_1 (jnp, fp32),
     o over every key before the query, o_hat over the kept context entries (the cache after
     compressing `ctx` alone) and every question key before it. Row 0: the last `window`
@@ -57,7 +65,7 @@ def perturbation(model, name: str, budget: int, ctx: list[int], question: list[i
     like the paper's first decoded token). Hidden states come from the full cache, so each
     layer's number is its own perturbation, not an accumulated one."""
     cfg, params = model.cfg, model.params
-    m = methods.create(name, budget=budget)
+    m = methods.create(name, budget=budget, **(sets or {}))
     n, nq = len(ctx), len(question)
     tokens, valid = engine.pad_left([ctx], n, cfg.pad_token_id)
     _, cache, _, _ = engine.prefill(params, tokens, valid, cfg=cfg, method=m,
@@ -94,6 +102,39 @@ def perturbation(model, name: str, budget: int, ctx: list[int], question: list[i
     return np.asarray(out).T
 
 
+def perturbation_records(a) -> None:
+    """--perturb-only: one JSON line per (base, budget, sample) appended to the file."""
+    import dataclasses
+
+    from kvjax.models.checkpoint import provenance
+    from kvjax.run_args import overrides
+
+    model = load(a.model)
+    samples = tasks.generate(a.perturb_task, a.context, n=a.perturb_samples, seed=a.seed)
+    done = report.load_records(a.perturb_only) if a.perturb_only.exists() else []
+    pairs = [p for p in PAIRS if p[0] in a.pairs.split(",")]
+    for base, crit in pairs:
+        fields = {f.name for f in dataclasses.fields(methods.get(base))}
+        sets = {k: v for k, v in overrides(a.set).items() if k in fields}
+        w = methods.create(base).window
+        for budget in [int(b) for b in a.perturb_budgets.split(",")]:
+            for i, smp in enumerate(samples):
+                key = dict(base=base, critical=crit, budget=budget, sample=i, set=sets,
+                           task=a.perturb_task, context=a.context, seed=a.seed)
+                if any(all(r.get(k) == v for k, v in key.items()) for r in done):
+                    continue
+                ctx, q = model.encode(smp.context), model.encode(smp.question, bos=False)
+                eb = perturbation(model, base, budget, ctx, q, w, sets)
+                ec = perturbation(model, crit, budget, ctx, q, w, sets)
+                rec = {**key, "model": model.name, "model_weights": provenance(model.path),
+                       **{f"{row}_{m}": [float(x) for x in e[j]] for j, row in
+                          enumerate(("window", "question")) for m, e in (("base", eb),
+                                                                         ("critical", ec))}}
+                with open(a.perturb_only, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                print(base, budget, i, eb.sum(1), ec.sum(1), file=sys.stderr, flush=True)
+
+
 def perturbation_table(a) -> str:
     model = load(a.model)
     samples = tasks.generate(a.perturb_task, a.context, n=a.perturb_samples, seed=a.seed)
@@ -128,7 +169,16 @@ def main(argv=None) -> int:
     p.add_argument("--perturb-task", default="niah_multikey")
     p.add_argument("--perturb-budgets", default="48,128")
     p.add_argument("--perturb-samples", type=int, default=4)
+    p.add_argument("--perturb-only", type=Path, metavar="FILE",
+                   help="only the perturbation, appended as JSON lines to FILE (resumable)")
+    p.add_argument("--pairs", default=",".join(b for b, _ in PAIRS),
+                   help="base methods measured with --perturb-only")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a hyperparameter of the methods that have it (--perturb-only)")
     a = p.parse_args(argv)
+    if a.perturb_only:
+        perturbation_records(a)
+        return 0
     a.out.mkdir(parents=True, exist_ok=True)
     cmdline = "python scripts/criticalkv_results.py " + " ".join(sys.argv[1:] if argv is None
                                                                   else argv)
