@@ -364,6 +364,52 @@ def criticalkv(ctx: int) -> str | None:
     return out
 
 
+def perturbation() -> str | None:
+    """CriticalKV's output perturbation (critical_perturb_<ctx>.jsonl): per base and budget,
+    the per-sample sums over layers under both selections, their paired difference with a
+    95% t-interval over samples, and the layers where the critical form's mean is lower."""
+    import numpy as np
+
+    blocks = []
+    for f in sorted(RECORDS.glob("critical_perturb_*.jsonl")):
+        recs = report.load_records(f)
+        if not recs:
+            continue
+        r0 = recs[0]
+        rows = ["| base | budget | queries | samples | base: sum over layers | critical | "
+                "critical - base [95%] | verdict | layers lower |", "|---" * 9 + "|"]
+        for base, budget in dict.fromkeys((r["base"], r["budget"]) for r in recs):
+            rs = [r for r in recs if (r["base"], r["budget"]) == (base, budget)]
+            for q in ("window", "question"):
+                b = np.array([r[f"{q}_base"] for r in rs])  # [samples, L]
+                c = np.array([r[f"{q}_critical"] for r in rs])
+                m, lo, hi = _mean_ci(c.sum(1) - b.sum(1)) if len(rs) > 1 else (0, 0, 0)
+                v = ("lower: holds" if hi < 0 else "higher: does not hold" if lo > 0
+                     else "cannot tell (a tie)") if len(rs) > 1 else "one sample"
+                rows.append(f"| {base} | {budget} | {q} | {len(rs)} | {b.sum(1).mean():.3g} | "
+                            f"{c.sum(1).mean():.3g} | {m:+.3g} [{lo:+.3g}, {hi:+.3g}] | {v} | "
+                            f"{int((c.mean(0) < b.mean(0)).sum())} of {b.shape[1]} |")
+        blocks.append(
+            f"{r0['task']}, {r0['context']} tokens, context-only (the paper's setting), "
+            "methods at their defaults"
+            + "".join(f", {k}={v}" for k, v in r0["set"].items())
+            + f"; docs/results/smollm2/{f.name} "
+            "(`python scripts/criticalkv_results.py --model smollm2-135m --perturb-only "
+            f"docs/results/smollm2/{f.name} --perturb-task {r0['task']} --context "
+            f"{r0['context']} --pairs {','.join(dict.fromkeys(r['base'] for r in recs))} "
+            f"--perturb-budgets {','.join(str(x) for x in dict.fromkeys(r['budget'] for r in recs))} "
+            f"--perturb-samples {1 + max(r['sample'] for r in recs)}"
+            + "".join(f" --set {k}={v}" for k, v in r0["set"].items())
+            + "`). Per layer, the sum over a set of queries of "
+            "||(o - o_hat) W_O||_1: o over the whole context, o_hat over the entries the "
+            "method kept after compressing the context alone, hidden states from the full "
+            "cache. `window`: the last window's context queries (the ones the base method "
+            "scored); `question`: the question's queries, appended after compression (the "
+            "paper measures the first decoded token). The critical rule is built to lower "
+            "this number at the same budget:\n\n" + "\n".join(rows))
+    return "\n\n".join(blocks) or None
+
+
 def d2o(ctx: int) -> str | None:
     recs = records_at(ctx, *BASE[ctx], "d2o")
     if not any(r["method"] == "d2o" for r in recs):
@@ -605,7 +651,9 @@ def main(argv=None) -> int:
     report.replace_section(ROOT / "MODEL.md", "smollm2-calibration", calibration(records))
     report.replace_section(ROOT / "docs" / "results" / "pooling.md", "pooling", pooling(records))
     pages = {"baselines": section(baselines, ("passkey, 1024 tokens", baselines(1024, "passkey"))),
-             "lava": section(lava), "criticalkv": section(criticalkv), "d2o": section(d2o, ("Perplexity of a long text", d2o_perplexity())),
+             "lava": section(lava),
+             "criticalkv": section(criticalkv, ("Output perturbation", perturbation())),
+             "d2o": section(d2o, ("Perplexity of a long text", d2o_perplexity())),
              "sliminfer": section(sliminfer), "asl": section(asl)}
     for page, body in pages.items():
         if body:
