@@ -453,7 +453,9 @@ def _mean_ci(xs) -> tuple[float, float, float]:
     return xs.mean(), xs.mean() - half, xs.mean() + half
 
 
-PPL_CLAIMS = [("d2o", "h2o"), ("d2o", "streaming_llm"), ("d2o", "d2o:merge=false")]
+# the paper's claims, then a reading of ours: D2O's layer budgets against uniform ones
+PPL_CLAIMS = [("d2o", "h2o"), ("d2o", "streaming_llm"), ("d2o", "d2o:merge=false"),
+              ("d2o", "d2o:variance_layers=false")]
 
 
 def d2o_perplexity() -> str | None:
@@ -470,6 +472,8 @@ def d2o_perplexity() -> str | None:
             continue
         r0 = recs[0]
         rhos = sorted({r["rho"] for r in recs if r["rho"] < 1})
+        if not rhos:  # the full cache alone so far
+            continue
         at = {(r["label"], r["rho"]): r for r in recs}
 
         def ppl(r):
@@ -506,8 +510,9 @@ def d2o_perplexity() -> str | None:
             f"{r0['tokens']} --prompt {r0['prompt']} --methods "
             f"{','.join(dict.fromkeys(r['label'] for r in recs))} --ratios "
             f"{','.join(f'{x:g}' for x in rhos)}`):\n\n" + "\n".join(rows)
-            + "\n\nThe paper's claims as paired differences (the same blocks under both "
-            "methods; below 0: the first predicts the text better):\n\n" + "\n".join(claims))
+            + "\n\nThe paper's claims (and, last, D2O's layer budgets against uniform "
+            "ones) as paired differences (the same blocks under both methods; below 0: the "
+            "first predicts the text better):\n\n" + "\n".join(claims))
     return "\n\n".join(blocks) or None
 
 
