@@ -28,7 +28,7 @@ def text_ids(name: str, encode, n_tokens: int) -> list[int]:
     elif name == "genesis":
         ids = encode(genesis())
     else:
-        raise ValueError(f"text={name!r}; allowed: ('haystack', *{TEXTS})")
+        raise ValueError(f"text={name!r}; allowed: {('haystack', *TEXTS)}")
     if len(ids) < n_tokens:
         raise ValueError(f"text {name!r} has {len(ids)} tokens under this tokenizer, "
                          f"fewer than the {n_tokens} asked for")
