@@ -53,7 +53,7 @@ BENCHES = (
     ("sweep", 38, "a shared-prefill sweep (5 methods, one budget) against the same grid "
      "method by method and against the first method alone, and the CPU prefill against "
      "transformers' (SmolLM2-135M when installed)",
-     ["sweep", "--samples", "8", "--contexts", "2048,4096", "--repeats", "3"]),
+     ["sweep", "--samples", "8", "--contexts", "2048,4096", "--repeats", "5"]),
     ("sliminfer_8192", 11, "the same at 8192 (random weights, bundled architecture with "
      "8192 positions: which blocks are kept differs, the schedule does not)",
      ["sliminfer", "--model", "random", "--contexts", "2048,8192"]),
