@@ -172,7 +172,7 @@ CONTEXTS = (2048, 1024, 4096)  # each page's blocks, in this order
 # StreamingLLM and full (at 1024 the calibration's and the model card's)
 BASE = {2048: ("baselines", "baselines_k17"),
         1024: ("card_plain", "calib_qa", "pool_snapkv_max_k17", "pool_ada_snapkv_max_k17"),
-        4096: ("baselines", "baselines_k17")}
+        4096: ("baselines", "baselines_k17", "h2o")}
 K17 = {"kernel": 17}
 
 
@@ -243,9 +243,30 @@ def intro(ctx: int, recs: list[dict], files: str, extra: str = "", task: str = T
             "sweep's wall times on a 2-core machine that sometimes ran other work: compare "
             "them within one records file, not across files. Rendered by `python "
             f"scripts/smollm2_results.py` from docs/results/smollm2/{files}; the sweeps: "
-            "`scripts/sweeps_smollm2.sh`. A claim \"a >= b\" holds when b's 95% Wilson "
+            f"`scripts/sweeps_smollm2.sh` (these records: {_sweep_minutes(recs):.0f} min on "
+            "2 cores, summed from their own TTFT, TPOT and compile times). A claim \"a >= b\" holds when b's 95% Wilson "
             "interval lies wholly below a's, does not hold when a's lies wholly below b's, "
             "and otherwise cannot be told at 50 samples (a tie).")
+
+
+def _sweep_minutes(recs: list[dict], batch: int = 8) -> float:
+    """What the sweeps behind `recs` cost, from the records' own clocks: per batch of
+    `batch` (the sweep script's), each method's TTFT (its own compression where the prefill
+    was shared, plus that shared prefill once per group of jobs that shared it) and TPOT
+    x tokens, plus each record's compile time."""
+    import math
+
+    total, shared = 0.0, {}
+    for r in recs:
+        n = math.ceil(r["samples"] / batch)
+        own = r["ttft_own_s"] if r.get("prefill") == "shared" else r["ttft_s"]
+        total += n * (own + (r["max_new_tokens"] or 0) * (r["tpot_s"] or 0))
+        total += r.get("compile_s") or 0
+        if r.get("prefill") == "shared":
+            # one group's jobs carry the same measured prefill time: it names the group
+            prefill = r["ttft_s"] - r["ttft_own_s"]
+            shared[r["task"], r["context_length"], n, round(prefill, 2)] = n * prefill
+    return (total + sum(shared.values())) / 60
 
 
 def _base_files(ctx: int) -> str:
@@ -275,27 +296,62 @@ def baselines(ctx: int, task: str = TASK) -> str | None:
             + "\n\n" + table(recs) + "\n\n" + claims(recs, pairs, budgets(ctx)))
 
 
+# LAVa's tasks at each context (the paper's claim is an average over tasks): each task's
+# records files; the first is the pages' niah_single
+LAVA_TASKS = {2048: ((TASK, (*BASE[2048], "lava_k17")),
+                     ("niah_single_ruler", ("lava_ruler_k17",))),
+              1024: ((TASK, (*BASE[1024], "lava_k17")),
+                     ("passkey", ("passkey", "passkey_k17", "lava_passkey_k17"))),
+              4096: ((TASK, (*BASE[4096], "lava_k17")),)}
+LAVA_PAIRS = [("lava", "ada_snapkv", K17, K17), ("ada_snapkv", "snapkv", K17, K17),
+              ("lava", "snapkv", K17, K17), ("lava", "cake", K17, K17)]
+LAVA_SHOWN = {"full", "snapkv", "ada_snapkv", "pyramidkv", "lava", "cake"}
+
+
 def lava(ctx: int) -> str | None:
-    recs = records_at(ctx, *BASE[ctx], "lava_k17")
-    if not any(r["method"] in ("lava", "cake") for r in recs):
-        return None
-    pairs = [("lava", "ada_snapkv", K17, K17), ("ada_snapkv", "snapkv", K17, K17),
-             ("lava", "snapkv", K17, K17), ("lava", "cake", K17, K17)]
-    shown = {"full", "snapkv", "ada_snapkv", "pyramidkv", "lava", "cake"}
-    recs = [r for r in recs if r["method"] == "full" or
-            params(r).get("kernel") == 17]
-    return (intro(ctx, recs, f"lava_k17_{ctx}.jsonl and {_base_files(ctx)}",
-                  " Every method here at max pooling, kernel 17: at kernel 7 the SnapKV "
-                  "family keeps no 7-token needle on this model (docs/results/baselines.md), "
-                  "so no ordering can show.")
-            + "\n\n" + table(recs, shown) + "\n\n" + claims(recs, pairs, budgets(ctx))
-            + _layer_plot(ctx, recs))
+    per_task = {}
+    for task, names in LAVA_TASKS[ctx]:
+        recs = [r for r in records_at(ctx, *names, task=task)
+                if r["method"] == "full" or params(r).get("kernel") == 17]
+        if any(r["method"] in ("lava", "cake") for r in recs):
+            per_task[task] = (recs, names)
+    blocks = []
+    for task, (recs, names) in per_task.items():
+        files = " and ".join(f"{n}_{ctx}.jsonl" for n in names)
+        blocks.append(
+            (f"**{task}**\n\n" if len(per_task) > 1 else "")
+            + intro(ctx, recs, files, " Every method here at max pooling, kernel 17: at "
+                    "kernel 7 the SnapKV family keeps no 7-token needle on this model "
+                    "(docs/results/baselines.md), so no ordering can show.", task=task)
+            + "\n\n" + table(recs, LAVA_SHOWN) + "\n\n"
+            + claims(recs, LAVA_PAIRS, budgets(ctx)) + _layer_plot(ctx, recs, task))
+    if len(per_task) > 1:
+        blocks.append(f"**On average over the {len(per_task)} tasks** (the paper's claim: "
+                      "its scores are averages over tasks): each method's samples of every "
+                      "task pooled, one Wilson interval over them\n\n"
+                      + claims(_pooled([recs for recs, _ in per_task.values()]), LAVA_PAIRS,
+                               budgets(ctx)))
+    return "\n\n".join(blocks) or None
 
 
-def _layer_plot(ctx: int, recs: list[dict]) -> str:
+def _pooled(groups: list[list[dict]]) -> list[dict]:
+    """One record per (method, scenario, budget, parameters) present in every group, its
+    details the groups' details concatenated: equal samples a task, so the pooled accuracy
+    is the mean over tasks."""
+    import json
+
+    key = lambda r: (r["method"], r["scenario"], r["budget"] if r["method"] != "full"  # noqa: E731
+                     else None, json.dumps(params(r), sort_keys=True))
+    at = [{key(r): r for r in g} for g in groups]
+    return [{**at[0][k], "details": [d for a in at for d in a[k]["details"]]}
+            for k in at[0] if all(k in a for a in at[1:])]
+
+
+def _layer_plot(ctx: int, recs: list[dict], task: str = TASK) -> str:
     """The entries each layer kept (summed over its KV heads, mean over the samples) for the
-    methods whose layer budgets differ, one panel a budget: docs/results/lava_layers_<ctx>.png
-    (when the records carry `layer_totals`, `slim`)."""
+    methods whose layer budgets differ, one panel a budget:
+    docs/results/lava_layers_<task>_<ctx>.png (when the records carry `layer_totals`,
+    `slim`)."""
     have = [r for r in recs if any("layer_totals" in d for d in r["details"])]
     if not have:
         return ""
@@ -317,16 +373,16 @@ def _layer_plot(ctx: int, recs: list[dict]) -> str:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("entries kept (sum over KV heads)", fontsize=9)
     axes[-1].legend(fontsize=8, frameon=False)
-    fig.suptitle(f"SmolLM2-135M, niah_single {ctx}: layer budgets (mean of 50 samples)",
+    fig.suptitle(f"SmolLM2-135M, {task} {ctx}: layer budgets (mean of 50 samples)",
                  fontsize=10)
     fig.tight_layout()
-    path = ROOT / "docs" / "results" / f"lava_layers_{ctx}.png"
+    path = ROOT / "docs" / "results" / f"lava_layers_{task}_{ctx}.png"
     fig.savefig(path, dpi=80)
     plt.close(fig)
     _quantize(path)
     return (f"\n\nThe layer budgets chosen (entries kept per layer, summed over its 3 KV "
             f"heads, mean over the samples; the records' `layer_totals`):\n\n"
-            f"![layer budgets at {ctx}]({path.name})")
+            f"![layer budgets, {task} at {ctx}]({path.name})")
 
 
 def criticalkv(ctx: int) -> str | None:
@@ -608,7 +664,8 @@ def slim(path: Path, every: bool = False) -> None:
     per-sample statistic over 512 bytes (LazyLLM's kept blocks, D2O's thresholds, LAVa's
     layer weights: up to 15 KB a sample); the pages read accuracy, budgets, timings, the
     selection layers, and each sample's entries per layer summed over its heads
-    (`layer_totals`, kept where the layers' budgets differ)."""
+    (`layer_totals`, kept where the layers' budgets differ). Always dropped: a sample's
+    `budget` where it is the record's, and `correct` where it is `score == 1`."""
     import json
 
     out = []
@@ -630,6 +687,11 @@ def slim(path: Path, every: bool = False) -> None:
                     d.pop(k)
         for d in details:
             d.pop("layer_budgets", None)
+            # what the record says already: its budget, and `correct` (= score 1)
+            if "budget" in d and d["budget"] == r["budget"]:
+                d.pop("budget")
+            if "correct" in d and d["correct"] == (d.get("score") == 1.0):
+                d.pop("correct")
         out.append(json.dumps(r) + "\n")
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(out))
