@@ -299,7 +299,7 @@ def baselines(ctx: int, task: str = TASK) -> str | None:
 # LAVa's tasks at each context (the paper's claim is an average over tasks): each task's
 # records files; the first is the pages' niah_single
 LAVA_TASKS = {2048: ((TASK, (*BASE[2048], "lava_k17")),
-                     ("niah_single_ruler", ("lava_ruler_k17",))),
+                     ("niah_single_ruler", ("lava_ruler_full", "lava_ruler_k17"))),
               1024: ((TASK, (*BASE[1024], "lava_k17")),
                      ("passkey", ("passkey", "passkey_k17", "lava_passkey_k17"))),
               4096: ((TASK, (*BASE[4096], "lava_k17")),)}

@@ -81,7 +81,7 @@ sweep4 baselines_k17_4096.jsonl --method snapkv,ada_snapkv --budget 512,256 --se
 sweep4 baselines_4096.jsonl --method full,tova,streaming_llm --budget 512,256
 # LAVa "on average over tasks": a second task at each length (niah_single_ruler 2048, full
 # 100%; passkey 1024, full 92%) against SnapKV and Ada-SnapKV at kernel 17
-TASK=niah_single_ruler sweep2 lava_ruler_k17_2048.jsonl --method full
+TASK=niah_single_ruler sweep2 lava_ruler_full_2048.jsonl --method full
 TASK=niah_single_ruler sweep2 lava_ruler_k17_2048.jsonl --method snapkv,ada_snapkv,lava,cake --budget 256,128 --set kernel=17
 TASK=passkey sweep1 lava_passkey_k17_1024.jsonl --method lava,cake --budget 128,64 --set kernel=17
 # H2O at 4096 (its column sums: about a minute a batch of 8 on top of the prefill)
