@@ -220,7 +220,8 @@ def _io_specs(io):
     return dataclasses.replace(
         io, layer=P(), q=qh, k=kv, v=kv, pos=per, valid=per, qpos=P(), o=qh, hidden=P(),
         qvalid=None if io.qvalid is None else P(),
-        wo=None if io.wo is None else P(HEAD_AXIS, None))
+        wo=None if io.wo is None else P(HEAD_AXIS, None),
+        lse=None if io.lse is None else P(None, HEAD_AXIS, None, None))
 
 
 def _local(x, spec: P, m: int):

@@ -523,7 +523,9 @@ def d2o_perplexity() -> str | None:
 
     blocks = []
     for f in sorted(RECORDS.glob("d2o_ppl_*.jsonl")):
-        recs = report.load_records(f)
+        # the whole span (the script also writes the spans before and after its --ppl-split)
+        recs = [r for r in report.load_records(f)
+                if r.get("span", f"{r['prompt']}-{r['tokens']}") == f"{r['prompt']}-{r['tokens']}"]
         if not recs:
             continue
         r0 = recs[0]

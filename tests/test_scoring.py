@@ -138,6 +138,30 @@ def test_cumulative_attention_tiles_equal_query_blocks():
     assert np.all(np.asarray(tiled)[~np.broadcast_to(kvalid[:, :, None], tiled.shape)] == 0)
 
 
+def test_cumulative_attention_takes_the_prompt_attentions_lse():
+    """The column sums' first pass (each query's log-sum-exp) replaced by the one the
+    blocked prompt attention returns (`LayerIO.lse`), on a left-padded prompt of 512
+    (its tiles 256 x 256 there, 64 x 64 here; padding queries see a live key here, and
+    must still add nothing): equal to the two-pass sums. Tolerance: float32 sums of the normaliser in another order (1e-6 relative)."""
+    from kvjax.models import attention
+
+    rng = np.random.default_rng(7)
+    B, T, H, K, D = 2, 512, 4, 2, 8
+    q = jnp.asarray(rng.normal(size=(B, T, H, D)).astype(np.float32) * 2)
+    k, v = (jnp.asarray(rng.normal(size=(B, K, T, D)).astype(np.float32) * 2)
+            for _ in range(2))
+    valid = jnp.ones((B, T), bool).at[0, :200].set(False)
+    pos = jnp.maximum(jnp.cumsum(valid, 1) - 1, 0)
+    kpos, kval = (jnp.broadcast_to(x[:, None], (B, K, T)) for x in (pos, valid))
+    _, lse = attention.attend_blocked(q, k, v, pos, kpos, kval, None, ordered=True,
+                                      with_lse=True)
+    args = (q, k, pos, valid, kpos, kval)
+    given = scoring.cumulative_attention(*args, block=64, tiled=True, lse_BKGT=lse)
+    own = scoring.cumulative_attention(*args, block=64, tiled=True)
+    np.testing.assert_allclose(np.asarray(given), np.asarray(own), rtol=1e-6, atol=1e-6)
+    assert np.all(np.asarray(given)[0, :, :, :200] == 0)  # padding columns
+
+
 def test_observed_attention_divides_by_queries_seen():
     q, k, v, valid, pos = _inputs(3)
     acc = _probs_np(q, k, valid, pos)

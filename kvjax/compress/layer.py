@@ -44,6 +44,10 @@ class LayerIO:
     # static: all KV heads, or this device's block of them inside the engine's shard_map;
     # what spans heads (a sum, a flattened top-k) goes through it (`kvjax.compress.heads`)
     heads: Heads = Heads()
+    # prefill: each query's log-sum-exp over the prompt's keys (the causal softmax's
+    # normaliser, +inf for a query that sees none), where the prompt attention computed it
+    # (`attention.attend_blocked`); None elsewhere
+    lse: Float[Array, "B K G T"] | None = None
 
     @property
     def kv(self) -> LayerKV:
@@ -72,7 +76,8 @@ class LayerIO:
 
 jax.tree_util.register_dataclass(
     LayerIO,
-    data_fields=["layer", "q", "k", "v", "pos", "valid", "qpos", "o", "hidden", "qvalid", "wo"],
+    data_fields=["layer", "q", "k", "v", "pos", "valid", "qpos", "o", "hidden", "qvalid", "wo",
+                 "lse"],
     meta_fields=["cfg", "kernels", "heads"])
 
 

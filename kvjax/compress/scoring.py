@@ -180,18 +180,21 @@ def cumulative_attention(
     kvalid_BKS: Bool[Array, "B K S"],
     block: int = 256,
     tiled: bool = False,
+    lse_BKGT: Float[Array, "B K G T"] | None = None,
 ) -> Float[Array, "B K G S"]:
     """H2O's accumulated attention: column sums of the causal softmax over every valid query.
     Padding queries contribute nothing.
 
     Blockwise over queries (`fold_query_blocks`, [B, H, block, S] at a time), or with
     `tiled` (the methods pass it where the prompt attention is the CPU's tiled one) in
-    [block, block] tiles when T and S are multiples of `block` (`_tiled_column_sums`)."""
+    [block, block] tiles when T and S are multiples of `block` (`_tiled_column_sums`).
+    `lse_BKGT`: each query's log-sum-exp over these keys, where the prompt attention
+    computed it (`LayerIO.lse`): the tiled form then skips its first pass."""
     B, T, H, D = q_BTHD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
     if tiled and T % block == 0 and S % block == 0:
         return _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS,
-                                  block)
+                                  block, lse_BKGT)
 
     def step(acc, probs, ok, v):
         return acc + jnp.sum(jnp.where(v[:, None, None, :, None], probs, 0.0), axis=3)
@@ -200,10 +203,11 @@ def cumulative_attention(
                              qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, block)
 
 
-def _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, block):
+def _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, block,
+                       lse_BKGT=None):
     """`cumulative_attention` in tiles, per batch element and query block: one pass over
-    the key blocks for each row's log-sum-exp (max and sum online, as flash attention),
-    a second adding exp(s - lse) into the column sums. A key block no query of the block
+    the key blocks for each row's log-sum-exp (max and sum online, as flash attention;
+    skipped when `lse_BKGT` gives it), a second adding exp(s - lse) into the column sums. A key block no query of the block
     can see (all in the future: half the tiles of a causal prompt) is skipped. The query-
     band form computes and normalises every [block, S] row band, masked half included, out
     of cache: in a sweep at 2048 on 2 CPU cores H2O's hook took 23 s a batch of 8 that way,
@@ -217,9 +221,12 @@ def _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS,
     kmin_BN = jnp.min(jnp.where(kvalid_BKS, kpos_BKS, big).reshape(B, K, nk, block), (1, 3))
     qmax_BN = jnp.max(jnp.where(qvalid_BT, qpos_BT, -1).reshape(B, nq, block), axis=2)
     cut = lambda a, i, axis: jax.lax.dynamic_slice_in_dim(a, i * block, block, axis)  # noqa: E731
+    given = lse_BKGT is not None
+    if not given:  # a placeholder the map carries; the first pass computes each block's
+        lse_BKGT = jnp.zeros((B, 0), jnp.float32)
 
     def element(args):
-        q, k, kpos, kvalid, qpos, qvalid, kmin, qmax = args
+        q, k, kpos, kvalid, qpos, qvalid, kmin, qmax, lse_KGT = args
 
         def query_block(i, acc_KGS):
             q_i = cut(q, i, 2).reshape(K, G * block, D)
@@ -244,13 +251,16 @@ def _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS,
                                    + jnp.sum(jnp.exp(s - base[..., None]), axis=-1))
                 return seen(j, one, c)
 
-            init = (jnp.full((K, G, block), -jnp.inf, jnp.float32),
-                    jnp.zeros((K, G, block), jnp.float32))
-            m, z = jax.lax.fori_loop(0, nk, stats, init)
-            # a padding query, or one with no live key, adds exp(-inf) = 0 everywhere
-            live = cut(qvalid, i, 0)[None, None] & (z > 0)
-            lse = jnp.where(live, jnp.where(jnp.isfinite(m), m, 0.0)
-                            + jnp.log(jnp.where(z > 0, z, 1.0)), jnp.inf)
+            if given:  # the prompt attention's; a padding query adds nothing
+                lse = jnp.where(cut(qvalid, i, 0)[None, None], cut(lse_KGT, i, 2), jnp.inf)
+            else:
+                init = (jnp.full((K, G, block), -jnp.inf, jnp.float32),
+                        jnp.zeros((K, G, block), jnp.float32))
+                m, z = jax.lax.fori_loop(0, nk, stats, init)
+                # a padding query, or one with no live key, adds exp(-inf) = 0 everywhere
+                live = cut(qvalid, i, 0)[None, None] & (z > 0)
+                lse = jnp.where(live, jnp.where(jnp.isfinite(m), m, 0.0)
+                                + jnp.log(jnp.where(z > 0, z, 1.0)), jnp.inf)
 
             def columns(j, acc):
                 def one(acc):
@@ -264,7 +274,7 @@ def _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS,
         return jax.lax.fori_loop(0, nq, query_block, jnp.zeros((K, G, S), jnp.float32))
 
     return jax.lax.map(element, (q_BKGTD, k_BKSD, kpos_BKS, kvalid_BKS, qpos_BT, qvalid_BT,
-                                 kmin_BN, qmax_BN))
+                                 kmin_BN, qmax_BN, lse_BKGT))
 
 
 def observed_attention(
@@ -274,15 +284,17 @@ def observed_attention(
     valid_BT: Bool[Array, "B T"],
     block: int = 256,
     tiled: bool = False,
+    lse_BKGT: Float[Array, "B K G T"] | None = None,
 ) -> Float[Array, "B K G T"]:
     """kvpress `ObservedAttentionPress`: column sums divided by the number of queries that
-    see the column (n - i for the token at position i of an n-token prompt); `tiled` as
-    in `cumulative_attention`."""
+    see the column (n - i for the token at position i of an n-token prompt); `tiled` and
+    `lse_BKGT` as in `cumulative_attention`."""
     B, T = valid_BT.shape
     K = k_BKTD.shape[1]
     kpos = jnp.broadcast_to(pos_BT[:, None], (B, K, T))
     kvalid = jnp.broadcast_to(valid_BT[:, None], (B, K, T))
-    acc = cumulative_attention(q_BTHD, k_BKTD, pos_BT, valid_BT, kpos, kvalid, block, tiled)
+    acc = cumulative_attention(q_BTHD, k_BKTD, pos_BT, valid_BT, kpos, kvalid, block, tiled,
+                               lse_BKGT)
     n = jnp.sum(valid_BT, axis=1, dtype=jnp.int32)
     count = jnp.maximum(n[:, None] - pos_BT, 1).astype(jnp.float32)  # [B, T]
     return acc / count[:, None, None, :]

@@ -113,7 +113,7 @@ def _prefill(params, cfg, prompts, method, Tq, max_new, shrink_ok, sharding, clo
                              method=method, capacity=capacity, mesh=head_mesh)
         logits, cache, state, stats, extent = clock.timed(pre, params, tokens, valid)
     else:
-        rec = (params, prefilled.q, prefilled.k, prefilled.v, prefilled.valid)
+        rec = (params, prefilled.q, prefilled.k, prefilled.v, prefilled.valid, prefilled.lse)
         pre = clock.compiled(steps.replay_extent, rec, cfg=cfg, method=method,
                              capacity=capacity)
         cache, state, stats, extent = clock.timed(pre, *rec)

@@ -52,12 +52,16 @@ def prefill_layers(
         x, st = carry
         p, layer = xs
         q, k, v = transformer.qkv(p, cfg, x, pos_BT)
-        o = attention.attend_prompt(q, k, v, pos_BT, kpos_BKT, kvalid_BKT,
-                                    transformer.layer_window(cfg, layer),
-                                    kernels.prompt_attention(q.dtype), ordered=True)
+        window = transformer.layer_window(cfg, layer)
+        # each query's log-sum-exp where the attention has it (the CPU's blocked one) and
+        # it is the causal softmax's over the whole prompt (no window): H2O's column sums
+        o, lse = attention.attend_prompt(q, k, v, pos_BT, kpos_BKT, kvalid_BKT, window,
+                                         kernels.prompt_attention(q.dtype), ordered=True,
+                                         with_lse=True)
         x = transformer.finish_layer(p, cfg, x, o)
         out, st = hook(LayerIO(layer, q, k, v, kpos_BKT, kvalid_BKT, pos_BT, o, x, valid_BT,
-                               p["o"], cfg, kernels), st)
+                               p["o"], cfg, kernels,
+                               lse=lse if window is None else None), st)
         return (x, st), out
 
     layers = jnp.arange(cfg.num_layers)

@@ -5,7 +5,8 @@ Every `prefill_kind == "scan"` method (the SnapKV family, AdaKV, PyramidKV, Head
 H2O, StreamingLLM, their CriticalKV forms, LAVa, CAKE, D2O, ...) runs the model's plain
 full prefill: its hook only chooses what each layer keeps, and the hidden states go on
 unchanged. So a sweep of such methods on the same prompts runs the model once
-(`prefill_record`: the last-token logits and each layer's q, k, v) and each method's
+(`prefill_record`: the last-token logits, each layer's q, k, v and, where the prompt
+attention computed it, each query's log-sum-exp) and each method's
 compression alone (`replay_extent`), with the same tokens as a separate run
 (tests/test_shared_prefill.py). Methods that change the prefill itself (ASL, FastKV,
 GemFilter: token selection; SlimInfer, LazyLLM: block pruning) run their own.
@@ -41,6 +42,7 @@ class Prefilled:
     q: jax.Array  # [L, B, T, H, Dh] (RoPE applied)
     k: jax.Array  # [L, B, K, T, Dh]
     v: jax.Array
+    lse: jax.Array | None  # [L, B, K, G, T] the attention's log-sum-exp, where it had one
     prefill_s: float  # the timed prefill (compilation excluded)
     compile_s: float
     kernels: Kernels  # the run's kernel choices after any `auto` fallback
@@ -66,6 +68,6 @@ def prefill(params, cfg: ModelConfig, prompts, kernels: Kernels = Kernels()) -> 
     tokens, valid = pad_left(prompts, bucket(max(len(p) for p in prompts)), cfg.pad_token_id)
     clock = Clock(kernels)
     exe = clock.compiled(steps.prefill_record, (params, tokens, valid), cfg=cfg)
-    logits, q, k, v = clock.timed(exe, params, tokens, valid)
-    return Prefilled(tokens, valid, logits, q, k, v, clock.ttft_s, clock.compile_s,
+    logits, q, k, v, lse = clock.timed(exe, params, tokens, valid)
+    return Prefilled(tokens, valid, logits, q, k, v, lse, clock.ttft_s, clock.compile_s,
                      clock.config, frozenset(clock.kernels))

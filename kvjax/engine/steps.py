@@ -93,17 +93,20 @@ def prefill_record(params, tokens_BT, valid_BT, *, cfg: ModelConfig,
                    kernels: Kernels = Kernels()):
     """The plain full prefill, once for every method that compresses after it
     (`kvjax.engine.shared`): (last-token logits [B, V], q [L, B, T, H, Dh], k and v
-    [L, B, K, T, Dh]): what their hooks read of each layer."""
+    [L, B, K, T, Dh], the attention's log-sum-exp [L, B, K, G, T] or None): what their
+    hooks read of each layer."""
     B = tokens_BT.shape[0]
     pos_BT = positions(valid_BT, jnp.zeros((B,), jnp.int32))
-    x, (q, k, v), _ = prefill_layers(params, cfg, tokens_BT, valid_BT, pos_BT,
-                                     lambda io, st: ((io.q, io.k, io.v), st), None, kernels)
-    return transformer.unembed(params, cfg, x[:, -1]), q, k, v
+    x, (q, k, v, lse), _ = prefill_layers(
+        params, cfg, tokens_BT, valid_BT, pos_BT,
+        lambda io, st: ((io.q, io.k, io.v, io.lse), st), None, kernels)
+    return transformer.unembed(params, cfg, x[:, -1]), q, k, v, lse
 
 
 @partial(jax.jit, static_argnames=("cfg", "method", "capacity", "kernels"))
-def replay_extent(params, q_LBTHD, k_LBKTD, v_LBKTD, valid_BT, *, cfg: ModelConfig,
-                  method: Method, capacity: int, kernels: Kernels = Kernels()):
+def replay_extent(params, q_LBTHD, k_LBKTD, v_LBKTD, valid_BT, lse_LBKGT=None, *,
+                  cfg: ModelConfig, method: Method, capacity: int,
+                  kernels: Kernels = Kernels()):
     """`prefill_extent` without the model: the method's prefill hooks replayed on the
     layers `prefill_record` kept, then `finalize`. (cache, state, stats, extent); the hooks
     see what the fused prefill shows them except the attention output and the hidden
@@ -114,16 +117,16 @@ def replay_extent(params, q_LBTHD, k_LBKTD, v_LBKTD, valid_BT, *, cfg: ModelConf
     kvalid_BKT = jnp.broadcast_to(valid_BT[:, None], (B, cfg.num_kv_heads, T))
 
     def body(st, xs):
-        q, k, v, wo, layer = xs
+        q, k, v, wo, layer, lse = xs
         kv, aux, st = method.after_layer_prefill(
             LayerIO(layer, q, k, v, kpos_BKT, kvalid_BKT, pos_BT, None, None, valid_BT, wo,
-                    cfg, kernels), st)
+                    cfg, kernels, lse=lse), st)
         return st, (kv, aux)
 
     state = method.init_state(cfg, B, T)
     state, (kv, aux) = jax.lax.scan(body, state, (q_LBTHD, k_LBKTD, v_LBKTD,
                                                   params["layers"]["o"],
-                                                  jnp.arange(cfg.num_layers)))
+                                                  jnp.arange(cfg.num_layers), lse_LBKGT))
     kv, state, stats = method.finalize(kv, aux, state)
     cache, state, stats = _as_cache(method, kv, state, stats, pos_BT, valid_BT, capacity)
     return cache, state, stats, kvcache.live_extent(cache)

@@ -93,7 +93,7 @@ def attend_chunked(q_BTHD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS, slidin
 
 
 def attend_blocked(q_BTHD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS, sliding_window,
-                   ordered: bool = False):
+                   ordered: bool = False, with_lse: bool = False):
     """`attend` in tiles with an online softmax (flash attention's recurrence, in plain
     XLA): per batch element and query block, a loop over key blocks keeps the running max,
     sum and output, so no score array larger than one tile ([K, G, bq, bk], a few MB)
@@ -105,14 +105,18 @@ def attend_blocked(q_BTHD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS, slidin
     key, positions increase with the slot: a left-padded prompt), so a query block stops
     at the key block holding its last slot (causal: about half the tiles). Key blocks of
     256 (128, 64 where T and S are not multiples), query blocks of twice that where T is
-    a multiple of it; shorter prompts take `attend`."""
+    a multiple of it; shorter prompts take `attend`.
+
+    `with_lse`: also each query's log-sum-exp over the keys it sees, [B, K, G, T] float32
+    (+inf where it sees none; None on the short-prompt path): the online softmax has it
+    for free, and H2O's column sums (`scoring.cumulative_attention`) need it."""
     B, T, H, D = q_BTHD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
     G = H // K
     bk = next((b for b in (256, 128, 64) if T % b == 0 and S % b == 0), None)
     if bk is None or T < 2 * bk:
-        return attend(q_BTHD, k_BKSD, v_BKSD, mask(qpos_BT, kpos_BKS, kvalid_BKS,
-                                                   sliding_window))
+        o = attend(q_BTHD, k_BKSD, v_BKSD, mask(qpos_BT, kpos_BKS, kvalid_BKS, sliding_window))
+        return (o, None) if with_lse else o
     # query blocks twice the key blocks where T allows: the tile's two matmuls are larger
     # ([G*512, D] x [D, 256]); 13% faster at 2048 and 4096 than square 256 tiles on 2 CPU
     # cores (docs/results/speed.md), though the diagonal now costs two tiles, not one
@@ -148,14 +152,17 @@ def attend_blocked(q_BTHD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS, slidin
             n = jnp.minimum(((i + 1) * bq - 1) // bk + 1, nk) if ordered else nk
             init = (jnp.full((K, G, bq), -jnp.inf, jnp.float32),
                     jnp.zeros((K, G, bq), jnp.float32), jnp.zeros((K, G, bq, D), jnp.float32))
-            _, z, acc = jax.lax.fori_loop(0, n, key_block, init)
-            return acc / jnp.where(z > 0, z, 1.0)[..., None]  # no live key: zeros
+            m, z, acc = jax.lax.fori_loop(0, n, key_block, init)
+            lse = jnp.where(z > 0, m + jnp.log(jnp.where(z > 0, z, 1.0)), jnp.inf)
+            return acc / jnp.where(z > 0, z, 1.0)[..., None], lse  # no live key: zeros
 
-        o = jax.lax.map(query_block, jnp.arange(nq))  # [nq, K, G, bq, D]
-        return o.transpose(0, 3, 1, 2, 4).reshape(T, H, D)
+        o, lse = jax.lax.map(query_block, jnp.arange(nq))  # [nq, K, G, bq, (D)]
+        return (o.transpose(0, 3, 1, 2, 4).reshape(T, H, D),
+                lse.transpose(1, 2, 0, 3).reshape(K, G, T))
 
-    o = jax.lax.map(element, (q_BKGTD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS))
-    return o.astype(q_BTHD.dtype)
+    o, lse = jax.lax.map(element, (q_BKGTD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS))
+    o = o.astype(q_BTHD.dtype)
+    return (o, lse) if with_lse else o
 
 
 def attend_fused(q_BTHD, k_BKTD, v_BKTD, valid_BT, sliding_window, implementation: str):
@@ -183,18 +190,21 @@ def attend_fused(q_BTHD, k_BKTD, v_BKTD, valid_BT, sliding_window, implementatio
 
 
 def attend_prompt(q_BTHD, k_BKTD, v_BKTD, qpos_BT, kpos_BKT, kvalid_BKT, sliding_window,
-                  implementation: str = "xla", ordered: bool = False):
+                  implementation: str = "xla", ordered: bool = False, with_lse: bool = False):
     """The prompt's attention: `attend_chunked` ("xla"), `attend_blocked` ("blocked", the
     CPU default; `ordered` as there), or one fused call ("cudnn", or "fused_xla" for the
     same call's xla implementation; see `attend_fused`: the prompt's tokens must be
     contiguous slots). A window that is per-layer data (a traced value,
     `transformer.layer_window`) takes the `attend_chunked` path: the fused calls need it
-    static."""
+    static. `with_lse`: (o, each query's log-sum-exp [B, K, G, T] or None), the latter from
+    the blocked attention only."""
     if implementation == "blocked":
         return attend_blocked(q_BTHD, k_BKTD, v_BKTD, qpos_BT, kpos_BKT, kvalid_BKT,
-                              sliding_window, ordered)
+                              sliding_window, ordered, with_lse)
     if implementation == "xla" or isinstance(sliding_window, jax.Array):
-        return attend_chunked(q_BTHD, k_BKTD, v_BKTD, qpos_BT, kpos_BKT, kvalid_BKT,
-                              sliding_window)
-    return attend_fused(q_BTHD, k_BKTD, v_BKTD, kvalid_BKT[:, 0], sliding_window,
-                        "xla" if implementation == "fused_xla" else implementation)
+        o = attend_chunked(q_BTHD, k_BKTD, v_BKTD, qpos_BT, kpos_BKT, kvalid_BKT,
+                           sliding_window)
+    else:
+        o = attend_fused(q_BTHD, k_BKTD, v_BKTD, kvalid_BKT[:, 0], sliding_window,
+                         "xla" if implementation == "fused_xla" else implementation)
+    return (o, None) if with_lse else o

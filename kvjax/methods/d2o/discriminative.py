@@ -298,7 +298,7 @@ class D2O(DecodeEviction):
     def after_layer_prefill(self, io: LayerIO, state):
         valid = io.valid[:, 0]
         acc = scoring.cumulative_attention(io.q, io.k, io.qpos, valid, io.pos, io.valid,
-                                           self.block, io.tiled)  # [B, K, G, T]
+                                           self.block, io.tiled, io.lse)  # [B, K, G, T]
         red = jnp.where(io.valid, scoring.gqa_reduce(acc, self.gqa), 0.0)
         return io.kv, (red, self.layer_variance(acc, valid)), state  # finalize: every F_v
 

@@ -60,7 +60,7 @@ class H2O(DecodeEviction):
     def acc_scores(self, io: LayerIO):
         valid = io.valid[:, 0]
         acc = scoring.cumulative_attention(io.q, io.k, io.qpos, valid, io.pos, io.valid,
-                                           self.block, io.tiled)
+                                           self.block, io.tiled, io.lse)
         return jnp.where(io.valid, scoring.gqa_reduce(acc, self.gqa), 0.0)
 
     def scores(self, io: LayerIO):

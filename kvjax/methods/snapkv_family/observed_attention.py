@@ -38,6 +38,7 @@ class ObservedAttention(PrefillEviction):
     def scores(self, io: LayerIO):
         valid = io.valid[:, 0]
         s = scoring.gqa_reduce(
-            scoring.observed_attention(io.q, io.k, io.pos[:, 0], valid, self.block, io.tiled),
+            scoring.observed_attention(io.q, io.k, io.pos[:, 0], valid, self.block, io.tiled,
+                                       io.lse),
             self.gqa)
         return force(s, tail_mask(valid, self.window), valid)
