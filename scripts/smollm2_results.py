@@ -244,9 +244,10 @@ def intro(ctx: int, recs: list[dict], files: str, extra: str = "", task: str = T
             "them within one records file, not across files. Rendered by `python "
             f"scripts/smollm2_results.py` from docs/results/smollm2/{files}; the sweeps: "
             f"`scripts/sweeps_smollm2.sh` (these records: {_sweep_minutes(recs):.0f} min on "
-            "2 cores, summed from their own TTFT, TPOT and compile times). A claim \"a >= b\" holds when b's 95% Wilson "
-            "interval lies wholly below a's, does not hold when a's lies wholly below b's, "
-            "and otherwise cannot be told at 50 samples (a tie).")
+            "2 cores, summed from their own TTFT, TPOT and compile times). A claim \"a >= "
+            "b\" holds when b's 95% Wilson interval lies wholly below a's, does not hold "
+            "when a's lies wholly below b's, and otherwise cannot be told at 50 samples (a "
+            "tie).")
 
 
 def _sweep_minutes(recs: list[dict], batch: int = 8) -> float:

@@ -142,7 +142,8 @@ def test_cumulative_attention_takes_the_prompt_attentions_lse():
     """The column sums' first pass (each query's log-sum-exp) replaced by the one the
     blocked prompt attention returns (`LayerIO.lse`), on a left-padded prompt of 512
     (its tiles 256 x 256 there, 64 x 64 here; padding queries see a live key here, and
-    must still add nothing): equal to the two-pass sums. Tolerance: float32 sums of the normaliser in another order (1e-6 relative)."""
+    must still add nothing): equal to the two-pass sums. Tolerance: float32 sums of the
+    normaliser in another order (1e-6 relative)."""
     from kvjax.models import attention
 
     rng = np.random.default_rng(7)

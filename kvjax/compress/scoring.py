@@ -207,8 +207,9 @@ def _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS,
                        lse_BKGT=None):
     """`cumulative_attention` in tiles, per batch element and query block: one pass over
     the key blocks for each row's log-sum-exp (max and sum online, as flash attention;
-    skipped when `lse_BKGT` gives it), a second adding exp(s - lse) into the column sums. A key block no query of the block
-    can see (all in the future: half the tiles of a causal prompt) is skipped. The query-
+    skipped when `lse_BKGT` gives it), a second adding exp(s - lse) into the column sums.
+    A key block no query of the block can see (all in the future: half the tiles of a
+    causal prompt) is skipped. The query-
     band form computes and normalises every [block, S] row band, masked half included, out
     of cache: in a sweep at 2048 on 2 CPU cores H2O's hook took 23 s a batch of 8 that way,
     16 s tiled (docs/results/speed.md)."""
@@ -222,7 +223,7 @@ def _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS,
     qmax_BN = jnp.max(jnp.where(qvalid_BT, qpos_BT, -1).reshape(B, nq, block), axis=2)
     cut = lambda a, i, axis: jax.lax.dynamic_slice_in_dim(a, i * block, block, axis)  # noqa: E731
     given = lse_BKGT is not None
-    if not given:  # a placeholder the map carries; the first pass computes each block's
+    if not given:  # an empty stand-in for `lax.map`: the first pass computes it per block
         lse_BKGT = jnp.zeros((B, 0), jnp.float32)
 
     def element(args):
