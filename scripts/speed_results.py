@@ -54,6 +54,9 @@ BENCHES = (
      "method by method and against the first method alone, and the CPU prefill against "
      "transformers' (SmolLM2-135M when installed)",
      ["sweep", "--samples", "8", "--contexts", "2048,4096", "--repeats", "5"]),
+    ("column_sums", 38, "H2O's column sums with the prompt attention's log-sum-exp against "
+     "their own two passes, one layer of SmolLM2's shape, batch 8",
+     ["column_sums", "--contexts", "2048,4096"]),
     ("sliminfer_8192", 11, "the same at 8192 (random weights, bundled architecture with "
      "8192 positions: which blocks are kept differs, the schedule does not)",
      ["sliminfer", "--model", "random", "--contexts", "2048,8192"]),

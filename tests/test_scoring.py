@@ -163,6 +163,16 @@ def test_cumulative_attention_takes_the_prompt_attentions_lse():
     assert np.all(np.asarray(given)[0, :, :, :200] == 0)  # padding columns
 
 
+def test_column_sums_bench_runs(capsys):
+    """`python -m kvjax.bench.column_sums` on a small prompt: one row, the sums given the
+    attention's log-sum-exp equal to the two-pass ones (its last column)."""
+    from kvjax.bench import column_sums
+
+    assert column_sums.main(["--contexts", "512", "--batch", "1", "--repeats", "1"]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert row[0] == "512" and float(row[-1]) < 1e-5, row
+
+
 def test_observed_attention_divides_by_queries_seen():
     q, k, v, valid, pos = _inputs(3)
     acc = _probs_np(q, k, valid, pos)
