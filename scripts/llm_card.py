@@ -1,12 +1,14 @@
-"""SmolLM2-135M's model card: full-cache accuracy on every synthetic task, written into
-MODEL.md between the `smollm2` markers.
+"""A packaged LLM's model card: full-cache accuracy on the synthetic tasks, written into
+MODEL.md between the model's markers (`smollm2`, `qwen2.5-coder-0.5b`, ...).
 
-    python scripts/smollm2_card.py                # render from the records that exist
-    python scripts/smollm2_card.py --measure plain:1024,2048 chat:1024 --samples 50
+    python scripts/llm_card.py                # SmolLM2: render from the records that exist
+    python scripts/llm_card.py --measure plain:1024,2048 chat:1024 --samples 50
+    python scripts/llm_card.py --model qwen2.5-coder-0.5b --measure plain:2048 --samples 10
 
-Each sweep is `python -m kvjax.run --model smollm2-135m --method full --task <every task>
---context <list> --samples N --details` (plain prompts, or `--chat-template`), its records in
-docs/results/smollm2/card_<kind>_<contexts>.jsonl; an interrupted sweep resumes
+Each sweep is `python -m kvjax.run --model M --method full --task <tasks> --context <list>
+--samples N --details` (plain prompts, or `--chat-template`), its records in
+docs/results/<dir>/card_<kind>_<contexts>[_<tag>].jsonl (`--tag` names a sweep over other
+tasks or sample counts at the same lengths); an interrupted sweep resumes
 (`report.run_once`).
 A cell is the accuracy with its 95% Wilson interval; a task "judges" compression at a
 length when the full cache scores 90% or more there (the bar of docs/results' pages).
@@ -23,12 +25,16 @@ sys.path.insert(0, str(ROOT))
 
 from kvjax import report, tasks  # noqa: E402
 
-OUT = ROOT / "docs" / "results" / "smollm2"
+# model -> (records folder under docs/results, MODEL.md marker)
+MODELS = {"smollm2-135m": ("smollm2", "smollm2"),
+          "qwen2.5-coder-0.5b": ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b"),
+          "qwen2.5-coder-1.5b": ("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b")}
 BAR = 0.9
 
 
-def sweep_args(kind: str, contexts: str, samples: int, task_names: list[str]) -> list[str]:
-    args = ["--model", "smollm2-135m", "--method", "full", "--task", ",".join(task_names),
+def sweep_args(model: str, kind: str, contexts: str, samples: int,
+               task_names: list[str]) -> list[str]:
+    args = ["--model", model, "--method", "full", "--task", ",".join(task_names),
             "--context", contexts, "--samples", str(samples), "--details"]
     return args + (["--chat-template"] if kind == "chat" else [])
 
@@ -62,17 +68,19 @@ def judges(records: list[dict]) -> str:
     return "\n".join(f"- at {c}: {', '.join(v)}" for c, v in sorted(ok.items()))
 
 
-def render() -> str:
+def render(model: str) -> str:
+    folder = MODELS[model][0]
+    out = ROOT / "docs" / "results" / folder
     parts = []
     for kind, title in (("plain", "Plain prompts"), ("chat", "With `--chat-template`")):
-        paths = sorted(OUT.glob(f"card_{kind}_*.jsonl"))
+        paths = sorted(out.glob(f"card_{kind}_*.jsonl"))
         records = report.load_records(*paths) if paths else []
         if not records:
             parts.append(f"**{title}**: not measured yet.")
             continue
         files = ", ".join(f"`{p.name}`" for p in paths)
         parts.append(f"**{title}** ({report.model_line(records)}; records in "
-                     f"docs/results/smollm2/: {files}). Accuracy in % [95% Wilson "
+                     f"docs/results/{folder}/: {files}). Accuracy in % [95% Wilson "
                      f"interval]:\n\n{table(records)}\n\nTasks at 90% or more (they can judge "
                      f"a compression method at that length):\n\n{judges(records)}")
     return "\n\n".join(parts)
@@ -83,18 +91,24 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--measure", nargs="*", default=[],
                    help="sweeps to run first: KIND:CONTEXTS (KIND plain or chat)")
+    p.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
     p.add_argument("--samples", type=int, default=50)
     p.add_argument("--tasks", default=",".join(tasks.names()))
+    p.add_argument("--tag", default="", help="a suffix of the records file's name")
     a = p.parse_args()
+    folder, marker = MODELS[a.model]
+    out = ROOT / "docs" / "results" / folder
     for m in a.measure:
         kind, contexts = m.split(":", 1)
         if kind not in ("plain", "chat"):
             p.error(f"--measure {m}: KIND is plain or chat")
-        OUT.mkdir(parents=True, exist_ok=True)
-        report.run_once(OUT / f"card_{kind}_{contexts.replace(',', '_')}.jsonl",
-                        sweep_args(kind, contexts, a.samples, a.tasks.split(",")), ROOT)
-    body = render()
-    report.replace_section(ROOT / "MODEL.md", "smollm2", body)
+        out.mkdir(parents=True, exist_ok=True)
+        tag = f"_{a.tag}" if a.tag else ""
+        report.run_once(out / f"card_{kind}_{contexts.replace(',', '_')}{tag}.jsonl",
+                        sweep_args(a.model, kind, contexts, a.samples, a.tasks.split(",")),
+                        ROOT)
+    body = render(a.model)
+    report.replace_section(ROOT / "MODEL.md", marker, body)
     print(body)
     return 0
 
