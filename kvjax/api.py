@@ -179,26 +179,43 @@ def load(name_or_path: str | Path = "tiny-retrieval", dtype=jnp.float32, mesh=No
     mesh = distributed.as_mesh(mesh)
     shardings = None if mesh is None else (lambda c: distributed.param_shardings(c, mesh))
     if path.is_file():  # GGUF: config, weights, tokenizer and chat template in one file
-        from kvjax import tokenization
         from kvjax.models import gguf
 
         r = gguf.reader(path)  # read once: weights and tokenizer
         cfg, params = gguf.load(path, resolve_dtype(dtype), shardings=shardings, r=r)
-        tokenizer, text_format = tokenization.from_gguf(r, path)
+        tokenizer, text_format = _tokenizer(path, r)
         name = str(name_or_path) if str(name_or_path) in PACKAGED else path.name
         return Model(cfg, params, name, path, tokenizer, text_format, mesh)
     cfg, params = load_hf(path, resolve_dtype(dtype), shardings=shardings)
-    tokenizer, text_format = None, None
-    if (path / "tokenizer.json").exists():
-        from tokenizers import Tokenizer
-
-        from kvjax import tokenization
-        from kvjax.tasks import tokenizer as task_tok
-
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        if not task_tok.is_task_tokenizer(tokenizer):
-            tokenizer, text_format = tokenization.load(path)
+    tokenizer, text_format = _tokenizer(path)
     return Model(cfg, params, path.name, path, tokenizer, text_format, mesh)
+
+
+def load_tokenizer(name_or_path: str | Path):
+    """The `tokenizers.Tokenizer` that `load(name_or_path).tokenizer` would be, without
+    the weights (None where the checkpoint has none)."""
+    return _tokenizer(model_dir(name_or_path))[0]
+
+
+def _tokenizer(path: Path, r=None) -> tuple[Any, Any]:
+    """(tokenizer, text format) of a GGUF file (`r`: its reader, if read already) or an
+    HF directory; (None, None) for a directory without tokenizer.json."""
+    from kvjax import tokenization
+
+    if path.is_file():
+        from kvjax.models import gguf
+
+        return tokenization.from_gguf(gguf.reader(path) if r is None else r, path)
+    if not (path / "tokenizer.json").exists():
+        return None, None
+    from tokenizers import Tokenizer
+
+    from kvjax.tasks import tokenizer as task_tok
+
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    if task_tok.is_task_tokenizer(tokenizer):  # the bundled tasks' word tokenizer
+        return tokenizer, None
+    return tokenization.load(path)
 
 
 @dataclasses.dataclass

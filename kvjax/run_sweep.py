@@ -110,6 +110,17 @@ def _encode(model, spec: TaskSpec, context: int | None, args) -> Prompts:
     if spec.synthetic:  # --context counts the evaluated model's tokens (as RULER does)
         samples = tasks.fit(spec.name, context, _counter(model, args), n=args.samples,
                             seed=args.seed)
+    elif spec.kind == "ruler13":  # RULER's own generator, this model's tokenizer counting
+        from kvjax.tasks import ruler
+
+        name = spec.name.removeprefix("ruler/")
+        if model.tokenizer is None:
+            raise ValueError(f"model {model.name!r} has no tokenizer to generate RULER's "
+                             "tasks with")
+        path = ruler.generate(model.tokenizer, name, context, args.samples)
+        spec = dataclasses.replace(spec, path=path, sha256=loaders.sha256(path))
+        samples = loaders.load_ruler_jsonl(path, name)
+        in_file = len(samples)
     else:
         samples = loaders.load_benchmark(spec.kind, spec.path)
         in_file = len(samples)
@@ -203,7 +214,7 @@ def _prompts_for(model, spec: TaskSpec, ctx: int | None, args) -> Prompts:
     if ctx is not None and ctx > limit:  # refused before a haystack of that size is built
         raise UsageError(f"--context {ctx} exceeds the model's maximum length {limit} tokens "
                          "(max_position_embeddings, or yarn's factor x original length)")
-    where = f"task {spec.name} at context {ctx}" if spec.synthetic else \
+    where = f"task {spec.name} at context {ctx}" if spec.at_context else \
         f"task {spec.name} ({spec.path})"
     try:
         d = _encode(model, spec, ctx, args)
@@ -232,7 +243,7 @@ def plan(args, model, bases: dict, specs: list[TaskSpec] | None = None) -> list[
     benchmark file once (context None). `bases`: each method as configured
     (`_configured`); `specs`: the tasks (`check_tasks`)."""
     specs = specs if specs is not None else check_tasks(args.task)
-    cells = [(s, c) for s in specs for c in (args.context if s.synthetic else [None])]
+    cells = [(s, c) for s in specs for c in (args.context if s.at_context else [None])]
     data = {(s.name, c): _prompts_for(model, s, c, args) for s, c in cells}
     points = [(b, None) for b in args.budget] if args.budget else \
         [(None, r) for r in args.ratio] if args.ratio else [(None, None)]

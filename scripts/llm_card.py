@@ -33,9 +33,10 @@ BAR = 0.9
 
 
 def sweep_args(model: str, kind: str, contexts: str, samples: int,
-               task_names: list[str]) -> list[str]:
+               task_names: list[str], batch_size: int = 8) -> list[str]:
     args = ["--model", model, "--method", "full", "--task", ",".join(task_names),
-            "--context", contexts, "--samples", str(samples), "--details"]
+            "--context", contexts, "--samples", str(samples), "--details",
+            *(["--batch-size", str(batch_size)] if batch_size != 8 else [])]
     return args + (["--chat-template"] if kind == "chat" else [])
 
 
@@ -95,6 +96,8 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=50)
     p.add_argument("--tasks", default=",".join(tasks.names()))
     p.add_argument("--tag", default="", help="a suffix of the records file's name")
+    p.add_argument("--batch-size", type=int, default=8, help="kvjax.run's --batch-size "
+                   "(the records do not depend on it)")
     a = p.parse_args()
     folder, marker = MODELS[a.model]
     out = ROOT / "docs" / "results" / folder
@@ -105,7 +108,8 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         tag = f"_{a.tag}" if a.tag else ""
         report.run_once(out / f"card_{kind}_{contexts.replace(',', '_')}{tag}.jsonl",
-                        sweep_args(a.model, kind, contexts, a.samples, a.tasks.split(",")),
+                        sweep_args(a.model, kind, contexts, a.samples, a.tasks.split(","),
+                                   a.batch_size),
                         ROOT)
     body = render(a.model)
     report.replace_section(ROOT / "MODEL.md", marker, body)

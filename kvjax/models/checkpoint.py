@@ -304,7 +304,9 @@ def weights_sha256(model_dir: str | Path) -> str | None:
         return None
     h = hashlib.sha256()
     for f in files:
-        h.update(f.read_bytes())
+        with open(f, "rb") as src:  # in chunks: a GGUF file can be GBs
+            while chunk := src.read(1 << 24):
+                h.update(chunk)
     return h.hexdigest()
 
 
