@@ -195,7 +195,7 @@ def test_bad_files_and_options_are_one_line(model_dir, tmp_path, capsys):
         (["--task", f"ruler:{RULER_QA},ruler:{twin}"],
          f"task ruler:ruler_qa_1 is given twice ({RULER_QA} and {twin})"),
         (["--task", f"ruler:{RULER_QA}", "--context", "128"],
-         "--context applies to the synthetic tasks"),
+         "--context applies to the synthetic and RULER tasks"),
         (["--task", "passkey", "--context", "128", "--fraction", "0.5"],
          "--fraction applies to benchmark files"),
         (["--task", f"ruler:{RULER_QA}", "--fraction", "0"],

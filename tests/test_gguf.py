@@ -233,33 +233,44 @@ def test_smollm2_logits_and_greedy_tokens_equal_transformers():
     """The whole model against transformers on the same file, float32: a 300-token prompt's
     logits within 5e-4 absolute (30 layers of float32 reassociation on O(10) logits:
     measured 9e-5) and the argmax equal everywhere, then 32 greedy tokens equal."""
-    import kvjax
+    from kvjax import tasks
 
     m = api.load("smollm2-135m")
     ref = _transformers_gguf(m.path)
-    from kvjax import tasks
+    ids = m.encode(tasks.generate("niah_single", context_length=300, n=1)[0].prompt)[:300]
+    ours, theirs = logits_against_transformers(m, ref, ids)
+    assert np.abs(ours - theirs).max() < 5e-4
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    assert_greedy_equal(m, ref, ids, 32)
 
-    s = tasks.generate("niah_single", context_length=300, n=1)[0]
-    ids = m.encode(s.prompt)[:300]
+
+def logits_against_transformers(m, ref, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(kvjax's, transformers') logits at every position of one prompt, float32: the whole
+    prompt through `prefill_layers` with no compression, then the unembedding."""
+    import jax.numpy as jnp
     import torch
 
-    with torch.no_grad():
-        theirs = ref(torch.tensor([ids])).logits[0].numpy()
     from kvjax import engine
     from kvjax.engine import layers
     from kvjax.models import transformer
-    import jax.numpy as jnp
 
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids])).logits[0].numpy()
     arr = jnp.asarray([ids])
     valid = jnp.ones(arr.shape, bool)
     x, _, _ = layers.prefill_layers(m.params, m.cfg, arr, valid,
                                     engine.positions(valid, jnp.zeros(1, jnp.int32)),
                                     lambda io, s: (None, s))
-    ours = np.asarray(transformer.unembed(m.params, m.cfg, x))[0]
-    assert np.abs(ours - theirs).max() < 5e-4
-    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    return np.asarray(transformer.unembed(m.params, m.cfg, x))[0], theirs
+
+
+def assert_greedy_equal(m, ref, ids: list[int], n: int) -> None:
+    """`n` greedy tokens of kvjax's generate equal transformers' (no stop ids)."""
+    import torch
+
+    import kvjax
+
     with torch.no_grad():
-        want = ref.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
                             eos_token_id=None)[0, len(ids):].tolist()
-    got = kvjax.generate(m, ids, max_new_tokens=32, stop_ids=()).tokens
-    assert got == want
+    assert kvjax.generate(m, ids, max_new_tokens=n, stop_ids=()).tokens == want

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kvjax import api
+from test_gguf import _transformers_gguf, assert_greedy_equal, logits_against_transformers
 
 VOCAB = Path(__file__).parent / "fixtures" / "gguf_vocab"
 
@@ -55,33 +56,11 @@ def test_qwen05_config_and_tokenizer(qwen05):
                                              "<|im_start|>assistant\n")
 
 
-def _transformers(path: Path):
-    import torch
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    m = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    m.config._attn_implementation = "eager"
-    return m
-
-
 def _prompt_ids(model, n: int) -> list[int]:
     from kvjax import tasks
 
     s = tasks.generate("niah_single", context_length=n, n=1)[0]
     return model.encode(s.prompt)[:n]
-
-
-def _greedy_equal(model, ref, ids, n: int) -> None:
-    import torch
-
-    import kvjax
-
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                            eos_token_id=None)[0, len(ids):].tolist()
-    assert kvjax.generate(model, ids, max_new_tokens=n, stop_ids=()).tokens == want
 
 
 @pytest.mark.slow
@@ -90,29 +69,15 @@ def test_qwen05_logits_and_greedy_tokens_equal_transformers(qwen05):
     """A 300-token prompt's logits within 1e-3 absolute of transformers' (float32 on both
     sides; 24 layers of reassociation on logits of O(10-30); measured in MODEL.md), the
     argmax equal at every position, then 32 greedy tokens equal."""
-    import jax.numpy as jnp
-    import torch
-
-    from kvjax import engine
-    from kvjax.engine import layers
-    from kvjax.models import transformer
-
-    ref = _transformers(qwen05.path)
+    ref = _transformers_gguf(qwen05.path)
     ids = _prompt_ids(qwen05, 300)
     assert len(ids) == 300
-    with torch.no_grad():
-        theirs = ref(torch.tensor([ids])).logits[0].numpy()
-    arr = jnp.asarray([ids])
-    valid = jnp.ones(arr.shape, bool)
-    x, _, _ = layers.prefill_layers(qwen05.params, qwen05.cfg, arr, valid,
-                                    engine.positions(valid, jnp.zeros(1, jnp.int32)),
-                                    lambda io, s: (None, s))
-    ours = np.asarray(transformer.unembed(qwen05.params, qwen05.cfg, x))[0]
+    ours, theirs = logits_against_transformers(qwen05, ref, ids)
     print(f"max |diff| {np.abs(ours - theirs).max():.2e} over logits up to "
           f"{np.abs(theirs).max():.1f}")
     assert np.abs(ours - theirs).max() < 1e-3
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
-    _greedy_equal(qwen05, ref, ids, 32)
+    assert_greedy_equal(qwen05, ref, ids, 32)
 
 
 @pytest.mark.slow
@@ -122,4 +87,4 @@ def test_qwen15_loads_and_greedy_tokens_equal_transformers():
     c = m.cfg
     assert (c.family, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == \
         ("qwen2", 28, 12, 2, 128)
-    _greedy_equal(m, _transformers(m.path), _prompt_ids(m, 200), 16)
+    assert_greedy_equal(m, _transformers_gguf(m.path), _prompt_ids(m, 200), 16)
