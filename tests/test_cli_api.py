@@ -79,7 +79,7 @@ def test_cli_lists():
     assert all(len(ln.split()) > 2 for ln in lines)  # a description, not just the name
     r = _run("--list-tasks")
     rows = [ln.split() for ln in r.stdout.splitlines()]
-    assert r.returncode == 0 and [x[0] for x in rows] == [*tasks.names(), "ruler:PATH",
+    assert r.returncode == 0 and [x[0] for x in rows] == [*tasks.names(), "ruler13", "ruler/NAME", "ruler:PATH",
                                                          "longbench:PATH"]
     assert ["niah_single", "retrieval"] == rows[tasks.names().index("niah_single")][:2]
 
