@@ -3,13 +3,14 @@
 __version__ = "0.1.0"
 
 __all__ = ["Model", "ModelConfig", "Result", "compress", "generate", "generate_each", "load",
-           "methods", "tasks"]
+           "load_tokenizer", "methods", "tasks"]
 
 # Everything is imported on first use: `import kvjax` stays instant, so `python -m kvjax.run`
 # reaches its Ctrl-C handling before JAX loads (an interrupt during that import was a
 # traceback and a death by SIGINT, not the CLI's one line and exit 130).
 _FROM = {"Model": "kvjax.api", "Result": "kvjax.api", "compress": "kvjax.api",
-         "generate": "kvjax.api", "generate_each": "kvjax.api", "load": "kvjax.api", "ModelConfig": "kvjax.config"}
+         "generate": "kvjax.api", "generate_each": "kvjax.api", "load": "kvjax.api",
+         "load_tokenizer": "kvjax.api", "ModelConfig": "kvjax.config"}
 
 
 def __getattr__(name):
