@@ -304,9 +304,17 @@ def weights_sha256(model_dir: str | Path) -> str | None:
         return None
     h = hashlib.sha256()
     for f in files:
-        with open(f, "rb") as src:  # in chunks: a GGUF file can be GBs
-            while chunk := src.read(1 << 24):
-                h.update(chunk)
+        file_sha256(f, h)
+    return h.hexdigest()
+
+
+def file_sha256(path: str | Path, h=None) -> str:
+    """sha256 of a file read in chunks (a GGUF file can be GBs); `h`: a running hash to
+    update instead of a new one."""
+    h = hashlib.sha256() if h is None else h
+    with open(path, "rb") as src:
+        while chunk := src.read(1 << 24):
+            h.update(chunk)
     return h.hexdigest()
 
 

@@ -17,6 +17,8 @@ import importlib.metadata as md
 import os
 from pathlib import Path
 
+from kvjax.models.checkpoint import file_sha256
+
 
 @dataclasses.dataclass(frozen=True)
 class Packaged:
@@ -93,14 +95,6 @@ def _locate(name: str, p: Packaged) -> list[Path]:
     return found
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def file(name: str) -> Path:
     """The GGUF file of packaged model `name`: the package's own file, or the parts joined
     into the cache (joined on first use)."""
@@ -111,7 +105,7 @@ def file(name: str) -> Path:
     out = cache_dir() / f"{name}.gguf"
     if out.exists():
         size = out.stat().st_size
-        if size != p.size or _sha256(out) != p.sha256:
+        if size != p.size or file_sha256(out) != p.sha256:
             raise ValueError(f"model {name!r}: {out} is not the expected file ({size} bytes, "
                              f"expected {p.size} with sha256 {p.sha256}); delete it and "
                              "kvjax joins the installed parts again")
