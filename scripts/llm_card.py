@@ -95,6 +95,10 @@ def main() -> int:
     p.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
     p.add_argument("--samples", type=int, default=50)
     p.add_argument("--tasks", default=",".join(tasks.names()))
+    p.add_argument("--ruler-tasks", default="ruler13",
+                   help="the tasks of a `ruler:` sweep (RULER's 13, plain prompts: "
+                        "docs/ruler.md), e.g. all but qa_1,qa_2 at 1024 (their 10-document "
+                        "minimum does not fit)")
     p.add_argument("--tag", default="", help="a suffix of the records file's name")
     p.add_argument("--batch-size", type=int, default=8, help="kvjax.run's --batch-size "
                    "(the records do not depend on it)")
@@ -103,12 +107,14 @@ def main() -> int:
     out = ROOT / "docs" / "results" / folder
     for m in a.measure:
         kind, contexts = m.split(":", 1)
-        if kind not in ("plain", "chat"):
-            p.error(f"--measure {m}: KIND is plain or chat")
+        if kind not in ("plain", "chat", "ruler"):
+            p.error(f"--measure {m}: KIND is plain, chat or ruler")
         out.mkdir(parents=True, exist_ok=True)
         tag = f"_{a.tag}" if a.tag else ""
-        report.run_once(out / f"card_{kind}_{contexts.replace(',', '_')}{tag}.jsonl",
-                        sweep_args(a.model, kind, contexts, a.samples, a.tasks.split(","),
+        stem = "ruler" if kind == "ruler" else f"card_{kind}"
+        report.run_once(out / f"{stem}_{contexts.replace(',', '_')}{tag}.jsonl",
+                        sweep_args(a.model, kind, contexts, a.samples,
+                                   (a.ruler_tasks if kind == "ruler" else a.tasks).split(","),
                                    a.batch_size),
                         ROOT)
     body = render(a.model)

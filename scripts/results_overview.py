@@ -109,7 +109,9 @@ def load(results: Path) -> list[dict]:
 def _signature(r: dict) -> tuple:
     """What a record was measured with besides its budget: the method's parameters and the
     run's settings that change the numbers (parameter dtype, chat template) where recorded."""
-    params = {k: v for k, v in (r.get("method_params") or {}).items() if k not in BUDGET_KEYS}
+    params = dict(r.get("method_params") or {})
+    params = {**(params.pop("base", None) or {}), **params}  # a wrapper's base flattened
+    params = {k: v for k, v in params.items() if k not in BUDGET_KEYS}
     params.update({k: r[k] for k in SETTING_KEYS if k in r})
     return tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in params.items()))
 
@@ -255,61 +257,116 @@ def methods_by_tasks(recs: list[dict], tasks: list[str], binary: dict) -> tuple[
     return "\n".join(lines), notes
 
 
+# method families: one colour each, the same in every plot (markers and dashes tell a
+# family's methods apart)
+FAMILIES = (("SnapKV family", ("snapkv", "ada_snapkv", "pyramidkv", "ada_pyramidkv", "headkv")),
+            ("accumulated / recent", ("h2o", "tova", "streaming_llm", "observed_attention")),
+            ("LAVa, CAKE", ("lava", "cake")),
+            ("CriticalKV", ("critical_",)),
+            ("D2O", ("d2o", "roco", "cam")),
+            ("ASL, FastKV, GemFilter", ("asl", "fastkv", "gemfilter")),
+            ("SlimInfer, LazyLLM", ("sliminfer", "lazyllm")))
+PANEL_SERIES = 7  # methods a panel, beside the full cache's line
+
+
+def family(method: str) -> int:
+    for i, (_, names) in enumerate(FAMILIES):
+        if any(method == n or (n.endswith("_") and method.startswith(n)) or
+               method.startswith(n + "_") for n in names):
+            return i
+    return len(FAMILIES)
+
+
+def _panels(recs: list[dict], tasks: list[str]) -> list[tuple[str, list[str]]]:
+    """(task, labels) a panel: each task's methods by family, at most PANEL_SERIES a panel
+    (a family larger than that split in turn)."""
+    out = []
+    for task in tasks:
+        labels = [lab for lab in row_order([r for r in recs if r["task"] == task])
+                  if not lab.startswith("full")]
+        method = {r["_label"]: r["method"] for r in recs}
+        fams: dict[int, list[str]] = defaultdict(list)
+        for lab in labels:
+            fams[family(method[lab])].append(lab)
+        panel: list[str] = []
+        for f in sorted(fams):
+            if panel and len(panel) + len(fams[f]) > PANEL_SERIES:
+                out.append((task, panel))
+                panel = []
+            for lab in fams[f]:
+                if len(panel) == PANEL_SERIES:
+                    out.append((task, panel))
+                    panel = []
+                panel.append(lab)
+        if panel or not out or out[-1][0] != task:
+            out.append((task, panel))
+    return out
+
+
 def plot_group(recs: list[dict], tasks: list[str], path: Path, title: str) -> Path | None:
-    """Accuracy (%) against live KV fraction: a panel per task, a line per method (the
-    budgets its points), `full` a horizontal line; styles from `report.line_style`. The
-    legend takes the grid's first free panel, or a row of its own below."""
+    """Accuracy (%) against live KV fraction with 95% Wilson intervals (tasks scored 0 or 1
+    a sample): panels of at most PANEL_SERIES methods, one task each, the methods of a
+    family together and in the family's colour; `full` a horizontal line labelled with its
+    n; each panel's legend outside it, on the right."""
     plt = report.pyplot()
     if plt is None:
         return None
-    full = {r["_label"] for r in recs if r["method"] == "full"}
-    labels = [lab for lab in row_order(recs) if lab not in full]
-    style = {r["_label"]: report.line_style(r["_rank"] - 1) for r in recs}
-    ncol = min(len(tasks), 3)
-    free = (-len(tasks)) % ncol
-    nrow = math.ceil(len(tasks) / ncol) + (0 if free else 1)
-    legend_rows = math.ceil((len(labels) + 1) / (1 if free else 3 * ncol // 2))
-    heights = [3.6] * math.ceil(len(tasks) / ncol) + ([] if free else
-                                                        [0.2 + 0.17 * legend_rows])
-    fig, axes = plt.subplots(nrow, ncol, figsize=(4.6 * ncol, sum(heights) + 0.4),
-                             squeeze=False, gridspec_kw={"height_ratios": heights})
-    handles: dict[str, object] = {}
-    for ax, task in zip(axes.flat, tasks):
+    panels = _panels(recs, tasks)
+    method = {r["_label"]: r["method"] for r in recs}
+    within: dict[int, list[str]] = defaultdict(list)
+    for lab in sorted(method):
+        within[family(method[lab])].append(lab)
+    markers, dashes = ("o", "s", "^", "D", "v", "P", "X"), ("-", "--", "-.", ":")
+
+    def style(lab: str) -> dict:
+        f = family(method[lab])
+        i = within[f].index(lab)
+        color = f"C{f}" if f < len(FAMILIES) else "C9"
+        return {"color": color, "marker": markers[i % len(markers)],
+                "linestyle": dashes[i % len(dashes)], "markerfacecolor": "none",
+                "markeredgecolor": color, "markersize": 5, "linewidth": 1.3}
+
+    ncol = min(len(panels), 2)
+    nrow = math.ceil(len(panels) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(8.2 * ncol, 3.3 * nrow), squeeze=False)
+    for ax, (task, labels) in zip(axes.flat, panels):
         here = [r for r in recs if r["task"] == task]
+        binary = binary_task(task)
         for r in here:
-            if r["_label"] in full:
-                h = ax.axhline(100 * r["accuracy"], color="k", linewidth=1.2,
-                               linestyle=(0, (1, 1)))
-                handles.setdefault(r["_label"], h)
+            if r["method"] == "full":
+                ax.axhline(100 * r["accuracy"], color="k", linewidth=1.2, linestyle=(0, (1, 1)),
+                           label=f"{r['_label']} (n={r['samples']})")
         for lab in labels:
-            pts = sorted({(r["kv_fraction"], 100 * r["accuracy"]) for r in here
+            pts = sorted({(r["kv_fraction"], r["accuracy"], r["samples"]) for r in here
                           if r["_label"] == lab and r.get("kv_fraction") is not None})
-            if pts:
-                (h,) = ax.plot(*zip(*pts), label=lab, **style[lab])
-                handles.setdefault(lab, h)
+            if not pts:
+                continue
+            x = [p[0] for p in pts]
+            y = [100 * p[1] for p in pts]
+            if binary:
+                ci = [report.wilson(a * n, n) for _, a, n in pts]
+                err = [[yy - 100 * lo for yy, (lo, _) in zip(y, ci)],
+                       [100 * hi - yy for yy, (_, hi) in zip(y, ci)]]
+                ax.errorbar(x, y, yerr=err, capsize=2, elinewidth=0.8, label=lab,
+                            **style(lab))
+            else:
+                ax.plot(x, y, label=lab, **style(lab))
         ax.set_xscale("log", base=2)
         _ticks(ax, [r["kv_fraction"] for r in here if r.get("kv_fraction")])
         ax.set_ylim(-5, 105)
-        ax.set_title(task, fontsize=10)
-        ax.set_xlabel("live KV / full cache", fontsize=9)
-        ax.set_ylabel("accuracy (%)", fontsize=9)
+        fams = sorted({FAMILIES[f][0] if f < len(FAMILIES) else "other"
+                       for f in (family(method[lab]) for lab in labels)})
+        ax.set_title(f"{task}: {', '.join(fams) or 'full cache'}", fontsize=9)
+        ax.set_xlabel("live KV / full cache", fontsize=8)
+        ax.set_ylabel("accuracy (%)" + ("" if binary else ", mean score"), fontsize=8)
         ax.grid(alpha=0.3)
-    rest = list(axes.flat[len(tasks):])
-    for ax in rest:
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7, frameon=False)
+    for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    order = [lab for lab in [*sorted(full), *labels] if lab in handles]
-    if free:  # the legend in the first free panel, one or two columns
-        rest[0].legend([handles[k] for k in order], order, loc="center", fontsize=7.5,
-                       ncol=1 if len(order) <= 18 else 2, frameon=False)
-    else:
-        for ax in axes[-1]:
-            ax.remove()
-        fig.legend([handles[k] for k in order], order, loc="lower center", frameon=False,
-                   ncol=3 * ncol // 2, fontsize=7.5)
-    fig.suptitle(title.replace(": ", ":\n") if ncol == 1 else title, fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=72, bbox_inches="tight")  # the outside legends are never clipped
     plt.close(fig)
     _quantize(path)
     return path
@@ -367,6 +424,92 @@ def _samples_note(records: list[dict]) -> str:
             f"[{100 * lo:.0f}, 100]; read trends across budgets and tasks, not single cells.")
 
 
+RULES = (
+    "How a claim is judged (`kvjax/claims.py`; every row below is a line of "
+    "[claims.jsonl](claims.jsonl), written from the records by `python "
+    "scripts/smollm2_results.py`, never by hand):\n\n"
+    "- **Declared first.** Each paper's comparisons are declared before its sweep: the `pairs` "
+    "of each page in `scripts/smollm2_results.py` (versioned with the sweeps, "
+    "`scripts/sweeps_smollm2.sh`).\n"
+    "- **Paired.** Every method of a sweep answers the same prompts, so two methods are "
+    "compared sample by sample: the exact McNemar test (a binomial test on the samples where "
+    "they disagree; `a wins : b wins`), and Holm's correction over all of a paper's "
+    "comparisons on the model (`p_holm`).\n"
+    "- **holds**: p_holm < 0.05 in the claimed direction. **does not hold**: significant the "
+    "other way; for a \"no worse than X\" claim (a method against the full cache), the "
+    "paired 95% interval of a - b (Newcombe's) lies wholly below -5 points. A \"no worse\" "
+    "claim holds when that interval lies wholly above -5 points.\n"
+    "- **uninformative**: both arms at or below 10%, or both at or above 95% where the claim "
+    "is a difference: such a cell measures nothing. **cannot tell**: anything else.\n"
+    "- **Tuning held out.** Anything chosen from data (SnapKV's pooling kernel 17) is chosen "
+    "on a dev seed (seed 1) and judged on seed 0 (`tuned_on`, `seed`; "
+    "[pooling](pooling.md)).")
+
+
+def verdict_screen(results: Path) -> list[str]:
+    """The first screen: the rules, then one row per claim of claims.jsonl (the
+    uninformative ones counted per paper)."""
+    path = results / "claims.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    order = {v: i for i, v in enumerate(("holds", "does not hold", "cannot tell"))}
+    shown = sorted((r for r in rows if r["verdict"] != "uninformative"),
+                   key=lambda r: (r["paper"], r["model"], order[r["verdict"]], r["context"],
+                                  r["id"]))
+    lines = ["| paper | claim | model | task, context | a vs b (budget) | verdict | effect "
+             "a - b, points | a wins : b wins | p_holm | page |", "|---" * 10 + "|"]
+    for r in shown:
+        rel = ">" if r["kind"] == "better" else ">= full -5"
+        lines.append(
+            f"| {r['paper']} | {r['claim']} | {r['model']} | {r['task']}, {r['context']}"
+            f"{' (context-only)' if r['scenario'] == 'context_only' else ''} | {r['a']} {rel} "
+            f"{r['b']} ({r['budget']}) | **{r['verdict']}** | "
+            f"{100 * (r['a_acc'] - r['b_acc']):+.0f} | {r['a_wins']} : {r['b_wins']} | "
+            f"{r['p_holm']:.2g} | {_link(Path(r['page']).name)} |")
+    floor: dict[str, int] = defaultdict(int)
+    for r in rows:
+        if r["verdict"] == "uninformative":
+            floor[r["paper"]] += 1
+    counts = defaultdict(int)
+    for r in rows:
+        counts[r["verdict"]] += 1
+    return ["## Verdicts", "", RULES, "",
+            f"{len(rows)} comparisons: " + ", ".join(f"{counts[v]} {v}" for v in (
+                "holds", "does not hold", "cannot tell", "uninformative")) + ".", "",
+            *lines, "",
+            "Uninformative (both arms on the floor or at the ceiling; in claims.jsonl with "
+            "their reason): " + ", ".join(f"{p} {n}" for p, n in sorted(floor.items())) + ".",
+            ""]
+
+
+def readme_claims(results: Path, shown: int = 4) -> str:
+    """The README's claims table: per paper and model, the verdicts counted, and its
+    decided comparisons (holds, does not hold; the first `shown`)."""
+    path = results / "claims.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    groups: dict[tuple, list] = defaultdict(list)
+    for r in rows:
+        groups[r["paper"], r["model"]].append(r)
+    out = ["| paper | claim | model | holds | does not hold | cannot tell | uninformative | "
+           "decided comparisons (a vs b: accuracy %, a wins : b wins) |", "|---" * 8 + "|"]
+    for (paper, model), rs in sorted(groups.items()):
+        n = {v: sum(r["verdict"] == v for r in rs) for v in ("holds", "does not hold",
+                                                            "cannot tell", "uninformative")}
+        decided = [r for r in rs if r["verdict"] in ("holds", "does not hold")]
+        text = "; ".join(
+            f"{r['verdict']}: {r['a']} vs {r['b']} ({r['task']} {r['context']}"
+            f"{', context-only' if r['scenario'] == 'context_only' else ''}, {r['budget']}): "
+            f"{100 * r['a_acc']:.0f} vs {100 * r['b_acc']:.0f}, {r['a_wins']} : {r['b_wins']}"
+            for r in decided[:shown])
+        if len(decided) > shown:
+            text += f"; {len(decided) - shown} more in the overview"
+        out.append(f"| {paper} | {rs[0]['claim']} | {model} | {n['holds']} | "
+                   f"{n['does not hold']} | {n['cannot tell']} | {n['uninformative']} | "
+                   f"{text or 'none'} |")
+    return "\n".join(out)
+
+
 def _header(records: list[dict], files: list[str], weights: list, binary: dict) -> list[str]:
     """The page's title and how to read it: the weights, the cells, the columns."""
     yes = ", ".join(f"`{t}`" for t, b in binary.items() if b)
@@ -381,7 +524,7 @@ def _header(records: list[dict], files: list[str], weights: list, binary: dict) 
     models = "; ".join(report.model_line([r for r in records if _weights(r) == w])
                        for w in weights)
     return [
-        "# Results overview",
+        "## Every accuracy record",
         "",
         ("Every accuracy record of the pages below, in one place: for each scenario and "
          "context length, a table per task of methods x budgets, and a plot. Written by "
@@ -423,7 +566,10 @@ def _drop_full_only(records: list[dict]) -> tuple[list[dict], list[str]]:
 
 
 def overview(results: Path, out: Path) -> str:
-    records, full_only = _drop_full_only(load(results))
+    everything = load(results)
+    tiny = sum(r["_file"].startswith("tiny/") for r in everything)
+    records, full_only = _drop_full_only([r for r in everything
+                                          if not r["_file"].startswith("tiny/")])
     if not records:
         raise SystemExit(f"no kvjax.run accuracy records under {results}")
     by_weights: dict[tuple, list] = defaultdict(list)
@@ -438,7 +584,8 @@ def overview(results: Path, out: Path) -> str:
         rank_rows(by_weights[w])
     files = sorted({r["_file"] for r in records})
     binary = {t: binary_task(t) for t in sorted({r["task"] for r in records})}
-    parts = _header(records, files, weights, binary)
+    parts = ["# Results overview", "", *verdict_screen(results),
+             *_header(records, files, weights, binary)]
     many = len(weights) > 1
     h = "#" if many else ""
     all_notes = []
@@ -487,6 +634,10 @@ def overview(results: Path, out: Path) -> str:
                   "Not in the tables (no method to compare them with; MODEL.md has them): "
                   + ", ".join(full_only) + "."]
     parts += ["", "## Pages", "", *page_list(results, records)]
+    if tiny:
+        parts += ["", f"The earlier results on the bundled tiny-retrieval model ({tiny} "
+                  "records, 8 samples a cell; not a language model) are an appendix, not "
+                  "tabled here: [tiny/](tiny/README.md)."]
     text = "\n".join(parts) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "README.md").write_text(text)
@@ -502,6 +653,8 @@ def main(argv=None) -> int:
                    help="where README.md and its plots go (default: --results)")
     a = p.parse_args(argv)
     text = overview(a.results, a.out or a.results)
+    if a.out is None and (a.results / "claims.jsonl").exists():
+        report.replace_section(ROOT / "README.md", "claims", readme_claims(a.results))
     print(f"wrote {(a.out or a.results) / 'README.md'} ({len(text.splitlines())} lines)")
     return 0
 

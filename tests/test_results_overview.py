@@ -88,5 +88,37 @@ def test_docs_results_overview_is_current(ov, tmp_path):
 
 
 def test_docs_results_stays_small():
+    # 5 MB held the SmolLM2 and tiny-model pages; the claims registry (0.2 MB) and the
+    # real models' RULER records (per-sample predictions, ~1.5 MB) need more: 8 MB
     size = sum(f.stat().st_size for f in RESULTS.rglob("*") if f.is_file())
-    assert size < 5_000_000, f"docs/results is {size / 1e6:.2f} MB: keep it under 5 MB"
+    assert size < 8_000_000, f"docs/results is {size / 1e6:.2f} MB: keep it under 8 MB"
+
+
+def test_readme_claims_table_is_current(ov):
+    """The README's claims table is the one the script writes from claims.jsonl."""
+    text = (ROOT / "README.md").read_text()
+    body = text.split("<!-- claims -->\n", 1)[1].split("\n<!-- /claims -->", 1)[0]
+    assert body == ov["readme_claims"](RESULTS)
+
+
+def test_quoted_figures_come_from_their_files():
+    """The figures the README and MODEL.md quote, read again from the file each comes from:
+    the sweep's cost ratios (the benchmark's output in speed.md) and the full cache's
+    niah_single at 4096 on the baselines' 50 samples (its records)."""
+    import re
+
+    from kvjax import report
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    first, separate = re.search(r"5 methods cost ([\d.]+)x one method's sweep, ([\d.]+)x the "
+                                r"same grid method by method", readme).groups()
+    speed = (RESULTS / "speed.md").read_text()
+    bench = re.findall(r"shared / first ([\d.]+)x .*shared / separate ([\d.]+)x", speed)
+    assert bench and bench[-1] == (first, separate), (bench, first, separate)
+
+    full = [r for r in report.load_records(RESULTS / "smollm2" / "baselines_4096.jsonl")
+            if r["method"] == "full"]
+    lo, hi = report.wilson(full[0]["accuracy"] * full[0]["samples"], full[0]["samples"])
+    quoted = (f"{100 * full[0]['accuracy']:.0f} [{100 * lo:.0f}, {100 * hi:.0f}]")
+    model = " ".join((ROOT / "MODEL.md").read_text().split())
+    assert f"50-sample draw, docs/results/baselines.md, finds niah_single at {quoted}" in model
