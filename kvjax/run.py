@@ -17,6 +17,7 @@ traceback).
 from __future__ import annotations
 
 import re
+import json
 import signal
 import sys
 import threading
@@ -134,6 +135,18 @@ def _main(argv: list[str]) -> int:
                          "resume into another --output, or --overwrite")
     _check_resume(out, args, settings)
     jobs = plan(args, model, bases, specs)
+    if args.resume:  # a .jsonl keeps no command of its own: its records must be this one's
+        mine = {job_key(j, settings) for j in jobs}
+        stray = [r["job"] for r in out.records
+                 if "job" in r and json.dumps(r["job"], sort_keys=True, default=list) not in mine]
+        if stray:
+            s = stray[0]
+            raise UsageError(
+                f"--resume: {args.output} holds records this command would not measure "
+                f"({len(stray)}; the first: method {s.get('method')}, budget "
+                f"{s.get('budget')}, ratio {s.get('ratio')}, task {s.get('task')}, context "
+                f"{s.get('context')}); resume with the command that made it, or use "
+                "another --output")
     done = out.done()
     todo = [j for j in jobs if job_key(j, settings) not in done]
     if args.resume:
@@ -165,7 +178,8 @@ def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
                 pbar.write(f"{rec['method']:>16} budget={str(rec['budget']):>5} "
                            f"{job.task:>16} ctx={str(job.context or '-'):>5} acc={rec['accuracy']:.3f} "
                            f"kv={rec['kv_fraction']:.3f} ttft={rec['ttft_s']*1e3:.1f}ms "
-                           f"tpot={(rec['tpot_s'] or 0)*1e3:.2f}ms"
+                           + (f"tpot={rec['tpot_s'] * 1e3:.2f}ms" if rec["tpot_s"] is not None
+                              else "tpot=- (no token decoded)")
                            + (f"  note: {rec['note']}" if "note" in rec else ""))
                 # executables stay mapped: a sweep that held ~110 (method, budget) pairs'
                 # ran out of memory maps (`engine.clear_compiled`)
@@ -174,17 +188,19 @@ def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
     except KeyboardInterrupt as e:
         if args.debug:
             raise
-        print(f"error: {_stopped(e)}; {_kept(out, finished, len(jobs))}", file=sys.stderr)
+        print(f"error: {_stopped(e)}; {_kept(out, finished, len(jobs), args.overwrite)}",
+              file=sys.stderr)
         return _stop_status(e)
     except Exception as e:
         what = _one_line(e) if isinstance(e, (ValueError, OSError)) else \
             f"internal error, {type(e).__name__}: {_one_line(e)} (--debug shows the traceback)"
         raise UsageError(f"{at.get('job', jobs[0]).label()} failed: {what}; "
-                         f"{_kept(out, finished, len(jobs))}") from e
+                         f"{_kept(out, finished, len(jobs), args.overwrite)}") from e
     out.write(meta(), complete=True)
     if args.output:
         n = len(out.records)
-        print(f"wrote {n} record{'s' if n != 1 else ''} to {args.output}", file=sys.stderr)
+        print(f"wrote {finished} record{'s' if finished != 1 else ''} to {args.output}"
+              + (f" ({n} in the file)" if n != finished else ""), file=sys.stderr)
     else:
         print("nothing was saved: give --output FILE to keep the records", file=sys.stderr)
     return 0

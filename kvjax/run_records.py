@@ -158,6 +158,11 @@ class Output:
         text = _dumps({"records": self.records, "complete": complete, **meta}, indent=1)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
         try:
+            # mkstemp makes 0600; a records file gets the mode open() gives (0666 - umask),
+            # as a .jsonl does
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)
             with os.fdopen(fd, "w") as f:
                 f.write(text + "\n")
                 f.flush()
@@ -208,8 +213,12 @@ def _listed(v) -> str:
     return "(none)" if v is None else ",".join(map(str, v)) if isinstance(v, list) else str(v)
 
 
-def _kept(out: Output, finished: int, total: int) -> str:
+def _kept(out: Output, finished: int, total: int, overwrite: bool = False) -> str:
     if out.path is None:
         return f"{finished} of {total} records finished (no --output: none kept)"
+    if overwrite and not finished:  # nothing written: the old file stands, untouched
+        return (f"0 of {total} records finished; {out.path} was not touched: the same "
+                "command runs the sweep again")
     return (f"{finished} of {total} records finished and kept in {out.path}; the same "
-            "command with --resume runs the rest")
+            "command with --resume" + (" in place of --overwrite" if overwrite else "")
+            + " runs the rest")

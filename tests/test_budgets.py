@@ -203,3 +203,23 @@ def test_water_fill_is_the_clipped_proportional_fill(seed):
         t = int(total)
         s = np.asarray(largest_remainder(jnp.asarray(x, jnp.float32), jnp.asarray(hi), t))
         assert s.sum() == t and np.all(s >= np.floor(x)) and np.all(s <= np.ceil(x))
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, "128", True, None])
+def test_a_bad_budget_is_refused_at_construction(bad):
+    """One error naming the value, where the method is made (not later inside JAX)."""
+    from kvjax import methods
+
+    with pytest.raises(ValueError, match=rf"snapkv: budget={bad!r}: expected an integer >= 1"):
+        methods.create("snapkv").with_budget(bad)
+    with pytest.raises(ValueError, match="budget="):
+        methods.create("h2o", budget=bad)
+
+
+def test_float_budgets_only_where_a_method_keeps_one():
+    from kvjax import methods
+
+    assert methods.create("pyramidkv").with_ratio(0.875, 1000).budget == 125.0
+    assert methods.create("sliminfer").budget is None  # its schedule sets the budget
+    with pytest.raises(ValueError, match="pyramidkv: budget=0.5: expected a number >= 1"):
+        methods.create("pyramidkv", budget=0.5)

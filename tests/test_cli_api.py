@@ -633,3 +633,51 @@ def test_list_descriptions_end_at_the_sentence_not_at_an_abbreviation():
     selective. Second sentence."""
     assert cli._first_line(doc) == "LAVa: Eq. 5 scores (Sec. 4, Fu et al. 2024), token-selective"
     assert len(cli._first_line("x " * 200)) == 100
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_cli_resume_refuses_another_method_alike(model_dir, tmp_path, capsys, suffix):
+    """A .jsonl keeps no command of its own: resuming it with another --method appended the
+    new method's records; now both formats refuse, and the file is untouched."""
+    out = tmp_path / f"r{suffix}"
+    argv = ["--model", str(model_dir), "--task", "passkey", "--context", "128", "--samples",
+            "1", "--max-new-tokens", "1", "--output", str(out)]
+    assert _main(capsys, *argv, "--method", "full")[0] == 0
+    before = out.read_text()
+    line = _error(capsys, *argv, "--method", "snapkv", "--budget", "48", "--resume")
+    assert line.startswith(f"error: --resume: {out} ")
+    assert "--method" in line or "would not measure" in line, line
+    assert out.read_text() == before
+
+
+def test_cli_counts_this_runs_records_and_modes_alike(model_dir, tmp_path, capsys):
+    argv = ["--model", str(model_dir), "--task", "passkey", "--context", "128", "--samples",
+            "1", "--max-new-tokens", "0"]
+    outs = [tmp_path / "r.json", tmp_path / "r.jsonl"]
+    for out in outs:
+        rc = cli.main([*argv, "--output", str(out), "--no-progress"])
+        cap = capsys.readouterr()
+        assert rc == 0 and f"wrote 1 record to {out}" in cap.err
+        assert "tpot=- (no token decoded)" in cap.out + cap.err
+    assert len({oct(o.stat().st_mode & 0o777) for o in outs}) == 1  # .json as .jsonl
+    rc, err = _main(capsys, *argv, "--output", str(outs[1]), "--resume")
+    assert rc == 0 and f"wrote 0 records to {outs[1]} (1 in the file)" in err
+
+
+def test_cli_interrupted_overwrite_gives_advice_that_works(model_dir, tmp_path, capsys,
+                                                           monkeypatch):
+    out = tmp_path / "r.json"
+    assert _main(capsys, *_sweep(model_dir, out))[0] == 0
+    before = out.read_text()
+    _failing_on(monkeypatch, 1, KeyboardInterrupt())
+    rc, err = _main(capsys, *_sweep(model_dir, out, "--overwrite", "--seed", "3"))
+    assert rc == 130 and err.splitlines()[-1] == (
+        f"error: interrupted; 0 of 3 records finished; {out} was not touched: the same "
+        "command runs the sweep again")
+    assert out.read_text() == before
+    _failing_on(monkeypatch, 2, KeyboardInterrupt())
+    rc, err = _main(capsys, *_sweep(model_dir, out, "--overwrite", "--seed", "3"))
+    assert err.splitlines()[-1].endswith("the same command with --resume in place of "
+                                         "--overwrite runs the rest")
+    _failing_on(monkeypatch, 0, None)
+    assert _main(capsys, *_sweep(model_dir, out, "--resume", "--seed", "3"))[0] == 0

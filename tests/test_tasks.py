@@ -468,3 +468,10 @@ def test_prose_texts_are_exact_or_refused():
         prose.text_ids("genesis", words, 10_000_000)
     with pytest.raises(ValueError, match="text='pg19'"):
         prose.text_ids("pg19", words, 10)
+
+
+@pytest.mark.parametrize("kw,bad", [({"context_length": -10}, "context_length=-10"),
+                                    ({"n": -3}, "n=-3"), ({"n": 2.5}, "n=2.5")])
+def test_generate_names_a_bad_count(kw, bad):
+    with pytest.raises(ValueError, match=f"{bad}: expected an integer >= 1"):
+        tasks.generate("niah_single", **{"context_length": 512, **kw})

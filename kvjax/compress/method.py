@@ -28,6 +28,7 @@ mapping, merged beside the engine's (`kv_bytes_*`, `ttft_s`, ...).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
@@ -39,6 +40,23 @@ from kvjax.config import ModelConfig
 PREFILL_KINDS = ("scan", "token_selection", "block_pruning")
 
 
+def check_budget(method) -> None:
+    """Raise ValueError naming the bad value unless `method.budget` (where it has one) is a
+    positive integer, a positive float where the method keeps one (`float_budget`), or None
+    where None is the field's default (the budget then comes from another parameter)."""
+    fields = {f.name: f for f in dataclasses.fields(method)}
+    if "budget" not in fields:
+        return
+    b = method.budget
+    if b is None and fields["budget"].default is None:
+        return
+    kinds = (numbers.Real,) if method.float_budget else (numbers.Integral,)
+    if isinstance(b, bool) or not isinstance(b, kinds) or not b >= 1:
+        want = "a number >= 1" if method.float_budget else "an integer >= 1"
+        raise ValueError(f"{method.name}: budget={b!r}: expected {want} (KV entries kept per "
+                         "layer and KV head)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
     """`full`: the uncompressed cache, every prompt entry kept (the baseline of every table)."""
@@ -47,6 +65,11 @@ class Method:
     prefill_kind: ClassVar[str] = "scan"
     # chooses by position alone (no attention scores), so it is sound under a sliding window
     positional: ClassVar[bool] = True
+    # a budget may be a float (PyramidKV keeps kvpress's float n (1 - r) as its average)
+    float_budget: ClassVar[bool] = False
+
+    def __post_init__(self):
+        check_budget(self)
 
     # ---- before tracing ---------------------------------------------------------------
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numbers
+
 import numpy as np
 
 from kvjax.tasks import aggregation, kv_retrieval, niah, variable_tracking
@@ -93,7 +95,14 @@ def generate(
 ) -> list[Sample]:
     """`n` deterministic samples of `context_length` tokens (BOS included). With `depth=None`
     sample i's (first) needle is at depth (i + 0.5) / n, so a run covers the context."""
+    _check_counts(context_length, n)
     return get(name).generate(context_length=context_length, n=n, seed=seed, depth=depth)
+
+
+def _check_counts(context_length, n) -> None:
+    for what, v in (("context_length", context_length), ("n", n)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ValueError(f"{what}={v!r}: expected an integer >= 1")
 
 
 def fit(name: str, context_length: int, count, n: int = 50, seed: int = 0,
@@ -101,6 +110,7 @@ def fit(name: str, context_length: int, count, n: int = 50, seed: int = 0,
     """`generate`, with each prompt fitted to `context_length` tokens of the tokenizer that
     `count(sample)` measures with (`Task.fit`): `--context N` of `kvjax.run` means N tokens
     of the evaluated model."""
+    _check_counts(context_length, n)
     return get(name).fit(context_length, count, n=n, seed=seed, depth=depth)
 
 

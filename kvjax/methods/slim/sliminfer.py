@@ -125,6 +125,7 @@ class SlimInfer(Method):
     offload: bool = True
 
     def __post_init__(self):
+        super().__post_init__()
         for f in ("layers_of_32", "keep_of_32k", "layers", "keep"):
             object.__setattr__(self, f, _as_tuple(getattr(self, f)))
 

@@ -46,6 +46,8 @@ class PyramidSchedule:
     depth is known) and is indexed with the element's length and the traced layer.
     """
 
+    float_budget = True  # `with_ratio` keeps kvpress's float n (1 - r) as the mean
+
     def validate_beta(self):
         if self.beta < 1:
             raise ValueError(f"beta={self.beta} must be >= 1")
