@@ -7,3 +7,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_configure(config):
+    """A crashed worker ends the run, naming its test, as `.ci/run` does: otherwise xdist
+    (3.8, `--dist loadfile`) re-queues the crashed worker's whole file to a new worker,
+    which can then wait forever with the machine idle. Set here, not in `addopts`, so a
+    pytest without xdist (the jax 0.11 lowering check of `.ci/run`) still runs."""
+    if config.pluginmanager.hasplugin("xdist") and config.option.maxworkerrestart is None:
+        config.option.maxworkerrestart = "0"
