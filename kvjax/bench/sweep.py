@@ -4,7 +4,7 @@ run method by method, and kvjax's CPU prefill against PyTorch's.
     python -m kvjax.bench.sweep                      # smollm2-135m if installed, else tiny-retrieval
     python -m kvjax.bench.sweep --samples 16 --contexts 2048,4096
 
-Part 1, the sweep: `python -m kvjax.run` on one task at one context, `--methods` at one
+Part 1, the sweep: `python -m kvjax.run` on one task at one context, `--method` at one
 budget (1/8 of the context), `--samples` samples in batches of `--batch-size`, three ways:
   shared     every method, the full prefill of each batch run once for all of them
              (docs/design.md, "Shared prefill");
@@ -179,7 +179,9 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
                    help="default: smollm2-135m when installed, else tiny-retrieval")
-    p.add_argument("--methods", default="snapkv,ada_snapkv,pyramidkv,tova,streaming_llm")
+    p.add_argument("--method", dest="methods",
+                   default="snapkv,ada_snapkv,pyramidkv,tova,streaming_llm",
+                   help="comma-separated methods, as kvjax.run's --method")
     p.add_argument("--task", default="niah_single")
     p.add_argument("--sweep-context", type=int, default=2048)
     p.add_argument("--samples", type=int, default=16)
