@@ -131,15 +131,18 @@ def compare(a: list[float], b: list[float], binary: bool) -> dict:
             else "sign-flip permutation, paired bootstrap interval"}
 
 
-def verdict(kind: str, s: dict, p_holm: float, margin: float = MARGIN) -> tuple[str, str]:
+def verdict(kind: str, s: dict, p_holm: float, margin: float = MARGIN,
+            bounded: bool = True) -> tuple[str, str]:
     """The verdict on "a beats b" (`better`) or "a is no worse than b by more than
-    `margin`" (`no worse`) from the statistics of `compare` and the Holm-adjusted p."""
+    `margin`" (`no worse`) from the statistics of `compare` and the Holm-adjusted p.
+    `bounded`: the scores are accuracies in [0, 1], where a floor and a ceiling exist
+    (not so for a perplexity or an output perturbation)."""
     if kind not in KINDS:
         raise ValueError(f"claim kind {kind!r}: expected one of {KINDS}")
     a, b = s["a_acc"], s["b_acc"]
-    if a <= FLOOR and b <= FLOOR:
+    if bounded and a <= FLOOR and b <= FLOOR:
         return "uninformative", f"both arms <= {FLOOR:.0%}"
-    if kind == "better" and a >= CEILING and b >= CEILING:
+    if bounded and kind == "better" and a >= CEILING and b >= CEILING:
         return "uninformative", f"both arms >= {CEILING:.0%}"
     if kind == "better":
         if p_holm < ALPHA:
@@ -170,16 +173,35 @@ def _same_length(a, b) -> None:
 
 KEY_FIELDS = ("method", "method_params", "budget", "ratio", "scenario", "task",
               "context_length", "seed", "samples")
+# the metrics a row may compare, each with the fields that name its records and how a
+# record gives its paired units (samples, or text blocks), higher better
+METRICS = {
+    "accuracy": KEY_FIELDS,  # a sweep's record: its samples' scores (`details`)
+    "nll": ("label", "rho", "text", "tokens", "prompt", "span"),  # minus each block's NLL
+    "perturbation": ("base", "critical", "budget", "sample", "set", "task", "context",
+                     "seed"),  # minus one sample's sum over layers of `arm`
+}
 
 
-def record_key(r: dict) -> dict:
+def record_key(r: dict, metric: str = "accuracy") -> dict:
     """What names one record in its file: the fields a comparison pairs it by."""
-    return {k: r.get(k) for k in KEY_FIELDS}
+    return {k: r.get(k) for k in METRICS[metric]}
 
 
-def find(records: list[dict], key: dict) -> dict:
+def units(records: list[dict], metric: str, arm: str | None = None) -> list[float]:
+    """The paired units of `records`, higher better: each sample's score (accuracy),
+    minus each block's mean NLL (a perplexity run), minus a sample's output perturbation
+    summed over layers (`arm`: e.g. "question_critical")."""
+    if metric == "nll":
+        return [-x for r in records for x in r["nll_blocks"]]
+    if metric == "perturbation":
+        return [-sum(r[arm]) for r in records]
+    raise ValueError(f"metric {metric!r}: units of {sorted(METRICS)}")
+
+
+def find(records: list[dict], key: dict, metric: str = "accuracy") -> dict:
     """The one record of `records` whose `record_key` is `key`."""
-    hits = [r for r in records if record_key(r) == key]
+    hits = [r for r in records if record_key(r, metric) == key]
     if len(hits) != 1:
         raise ValueError(f"{len(hits)} records match {key}: expected exactly one")
     return hits[0]
@@ -225,7 +247,8 @@ def judge(rows: list[dict]) -> list[dict]:
         for i, q in zip(idx, holm([rows[i]["p"] for i in idx])):
             out[i]["p_holm"] = q
             out[i]["verdict"], out[i]["reason"] = verdict(
-                out[i]["kind"], out[i], q, out[i].get("margin", MARGIN))
+                out[i]["kind"], out[i], q, out[i].get("margin") or MARGIN,
+                bounded=out[i].get("metric", "accuracy") in ("accuracy", "score"))
     return out
 
 
@@ -237,7 +260,12 @@ def recompute(row: dict, root) -> dict:
 
     records = {f: report.load_records(Path(root) / f) for f in row["records"]}
     pool = [r for f in row["records"] for r in records[f]]
-    ra = [find(pool, k) for k in row["a_records"]]
-    rb = [find(pool, k) for k in row["b_records"]]
-    a, b = scores_of(ra, rb)
-    return compare(a, b, is_binary(a + b))
+    metric = row.get("metric", "accuracy")
+    kind = "accuracy" if metric in ("accuracy", "score") else metric
+    ra = [find(pool, k, kind) for k in row["a_records"]]
+    rb = [find(pool, k, kind) for k in row["b_records"]]
+    if kind == "accuracy":
+        a, b = scores_of(ra, rb)
+        return compare(a, b, is_binary(a + b))
+    return compare(units(ra, kind, row.get("a_arm")), units(rb, kind, row.get("b_arm")),
+                   binary=False)

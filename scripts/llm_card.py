@@ -69,6 +69,87 @@ def judges(records: list[dict]) -> str:
     return "\n".join(f"- at {c}: {', '.join(v)}" for c, v in sorted(ok.items()))
 
 
+RULER_BAR = 0.8  # "solved": the full cache at 80% or more (the RULER issue's bar)
+
+
+def _ruler_cell(r: dict) -> str:
+    """RULER's metric over the samples: a Wilson interval where each sample scores 0 or 1
+    (one reference, or qa's any-reference match), else the mean with a paired-bootstrap
+    95% interval (kvjax.claims.bootstrap, seed 0) and `~`."""
+    from kvjax import claims
+
+    scores = [d["score"] for d in r["details"]]
+    n, m = len(scores), sum(scores) / len(scores)
+    binary = "qa_" in r["task"] or all(len(d["answer"]) == 1 for d in r["details"])
+    if binary:
+        lo, hi = report.wilson(sum(scores), n)
+        return f"{100 * m:.0f} [{100 * lo:.0f}, {100 * hi:.0f}] (n={n})"
+    lo, hi = claims.bootstrap(scores, [0.0] * n)
+    return f"~{100 * m:.0f} [{100 * lo:.0f}, {100 * hi:.0f}] (n={n})"
+
+
+def _cost(r: dict, batch: int = 8) -> tuple[float, float]:
+    """(seconds a sample, decode's share) from a record's own clocks: each batch's TTFT
+    plus TPOT x the tokens RULER lets it write (the loop stops early only when every
+    sample of the batch has stopped, so this bounds decode from above)."""
+    import math
+
+    batches = math.ceil(r["samples"] / batch)
+    prefill = batches * r["ttft_s"]
+    decode = batches * (r["tpot_s"] or 0) * (r["max_new_tokens"] or 0)
+    return (prefill + decode) / r["samples"], decode / (prefill + decode)
+
+
+def ruler_section(model: str) -> str:
+    """The model's RULER calibration (ruler_<context>[_tag].jsonl): each task's score with
+    the full cache per length, RULER's average, the tasks solved, and the cost."""
+    from kvjax.tasks import ruler
+
+    folder = MODELS[model][0]
+    paths = sorted((ROOT / "docs" / "results" / folder).glob("ruler_*.jsonl"))
+    records = report.load_records(*paths) if paths else []
+    if not records:
+        return "Not measured yet."
+    cols = sorted({(r["context_length"], r["samples"]) for r in records})
+    by = {(r["task"], r["context_length"], r["samples"]): r for r in records}
+    head = " | ".join(f"{c} (n={n})" for c, n in cols)
+    lines = [f"| task | {head} |", "|---|" + "---|" * len(cols)]
+    for t in ruler.NAMES:
+        cells = [_ruler_cell(by[f"ruler/{t}", c, n]) if (f"ruler/{t}", c, n) in by
+                 else "not run" for c, n in cols]
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    avg = []
+    for c, n in cols:
+        rs = [by[f"ruler/{t}", c, n] for t in ruler.NAMES if (f"ruler/{t}", c, n) in by]
+        mean = 100 * sum(r["accuracy"] for r in rs) / len(rs)
+        avg.append(f"{mean:.1f}" + (f" ({len(rs)} tasks)" if len(rs) < len(ruler.NAMES) else ""))
+    lines.append("| **RULER average** | " + " | ".join(avg) + " |")
+    solved = "\n".join(
+        f"- at {c} (n={n}): " + (", ".join(t for t in ruler.NAMES if (f"ruler/{t}", c, n) in by
+                                          and by[f"ruler/{t}", c, n]["accuracy"] >= RULER_BAR)
+                                 or "none")
+        for c, n in cols)
+    cost = ["| task | " + " | ".join(f"{c} s/sample (decode share)" for c, _ in cols) + " |",
+            "|---|" + "---|" * len(cols)]
+    for t in ruler.NAMES:
+        cells = []
+        for c, n in cols:
+            r = by.get((f"ruler/{t}", c, n))
+            cells.append("-" if r is None else "{:.1f} ({:.0%})".format(*_cost(r)))
+        cost.append(f"| {t} | " + " | ".join(cells) + " |")
+    files = ", ".join(f"`{p.name}`" for p in paths)
+    return (f"RULER's 13 tasks as RULER generates them (docs/ruler.md), plain (base) prompts, "
+            f"the full cache; {report.model_line(records)}; records in docs/results/{folder}/: "
+            f"{files}. Score in % with RULER's metric: a 95% Wilson interval where a sample "
+            "scores 0 or 1, else (`~`) the mean share of the references written, with a "
+            "bootstrap interval. RULER's average is the mean over the tasks run.\n\n"
+            + "\n".join(lines) + f"\n\nTasks solved ({100 * RULER_BAR:.0f}% or more: the tasks "
+            "a compression result may use at that length):\n\n" + solved
+            + "\n\nCost on this machine (2 cores, batch 8, other work beside it; from the "
+            "records' own TTFT and TPOT, decode at RULER's tokens to generate):\n\n"
+            + "\n".join(cost))
+
+
 def render(model: str) -> str:
     folder = MODELS[model][0]
     out = ROOT / "docs" / "results" / folder
@@ -119,6 +200,8 @@ def main() -> int:
                         ROOT)
     body = render(a.model)
     report.replace_section(ROOT / "MODEL.md", marker, body)
+    if f"<!-- {marker}-ruler -->" in (ROOT / "MODEL.md").read_text():
+        report.replace_section(ROOT / "MODEL.md", f"{marker}-ruler", ruler_section(a.model))
     print(body)
     return 0
 

@@ -320,6 +320,27 @@ def _register(ra: list[dict], rb: list[dict], part: str, scenario: str) -> int:
     return len(REGISTRY) - 1
 
 
+def _register_units(ra: list[dict], rb: list[dict], metric: str, a: str, b: str, task: str,
+                    context: int, scenario: str, part: str, files: list[str],
+                    arms: tuple = (None, None)) -> int:
+    """A registry row whose units are text blocks (metric `nll`) or samples' summed output
+    perturbations (`perturbation`), lower better in both: `kvjax.claims.units`."""
+    from kvjax import claims as cl
+
+    row = {"paper": PAPER[PAGE["name"]], "claim": CLAIM_WORDS[PAPER[PAGE["name"]]],
+           "model": "smollm2-135m", "task": task, "context": context, "scenario": scenario,
+           "budget": part, "a": a, "b": b, "kind": "better", "margin": None,
+           "records": files, "a_records": [cl.record_key(r, metric) for r in ra],
+           "b_records": [cl.record_key(r, metric) for r in rb], "seed": ra[0].get("seed"),
+           "tuned_on": None, "page": f"docs/results/{PAGE['name']}.md", "metric": metric}
+    if arms != (None, None):
+        row["a_arm"], row["b_arm"] = arms
+    row.update(cl.compare(cl.units(ra, metric, arms[0]), cl.units(rb, metric, arms[1]),
+                          binary=False))
+    REGISTRY.append(row)
+    return len(REGISTRY) - 1
+
+
 def claims(recs: list[dict], pairs, at, scenario: str = "question_aware") -> str:
     """The paired comparisons "a vs b" at each (budget, name) of `at` for each (a, b, params
     of a, params of b); `at` = (None,): the methods' own defaults (full's record for b =
@@ -340,6 +361,19 @@ def claims(recs: list[dict], pairs, at, scenario: str = "question_aware") -> str
 
 def claims_table(rows: list[dict]) -> str:
     """A page's claims table from registry rows (judged)."""
+    if rows and rows[0]["metric"] in ("nll", "perturbation"):  # lower better: shown as is
+        what = {"nll": "mean NLL a token", "perturbation": "sum over layers"}[rows[0]["metric"]]
+        unit = {"nll": "blocks", "perturbation": "samples"}[rows[0]["metric"]]
+        lines = [f"| claim | a: {what} | b | {unit} a lower : b lower | a - b [95% bootstrap] "
+                 "| p (Holm) | verdict | why | claims.jsonl |", "|---" * 9 + "|"]
+        for r in rows:
+            lines.append(
+                f"| {r['a']} below {r['b']} at {r['budget']} | {-r['a_acc']:.4g} | "
+                f"{-r['b_acc']:.4g} | {r['a_wins']} : {r['b_wins']} | "
+                f"{r['b_acc'] - r['a_acc']:+.3g} [{-r['diff_hi']:+.3g}, {-r['diff_lo']:+.3g}] | "
+                f"{r['p']:.2g} ({r['p_holm']:.2g}) | {r['verdict']} | {r['reason']} | "
+                f"#{r['id']} |")
+        return "\n".join(lines)
     lines = ["| claim | a % | b % | a wins : b wins | p (Holm) | verdict | why | claims.jsonl |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -551,6 +585,8 @@ def perturbation() -> str | None:
     95% t-interval over samples, and the layers where the critical form's mean is lower."""
     import numpy as np
 
+    from kvjax import claims as cl
+
     blocks = []
     for f in sorted(RECORDS.glob("critical_perturb_*.jsonl")):
         recs = report.load_records(f)
@@ -558,18 +594,25 @@ def perturbation() -> str | None:
             continue
         r0 = recs[0]
         rows = ["| base | budget | queries | samples | base: sum over layers | critical | "
-                "critical - base [95%] | verdict | layers lower |", "|---" * 9 + "|"]
+                "critical / base | layers lower |", "|---" * 8 + "|"]
+        ids = []
         for base, budget in dict.fromkeys((r["base"], r["budget"]) for r in recs):
             rs = [r for r in recs if (r["base"], r["budget"]) == (base, budget)]
             for q in ("window", "question"):
                 b = np.array([r[f"{q}_base"] for r in rs])  # [samples, L]
                 c = np.array([r[f"{q}_critical"] for r in rs])
-                m, lo, hi = _mean_ci(c.sum(1) - b.sum(1)) if len(rs) > 1 else (0, 0, 0)
-                v = ("lower: holds" if hi < 0 else "higher: does not hold" if lo > 0
-                     else "cannot tell (a tie)") if len(rs) > 1 else "one sample"
                 rows.append(f"| {base} | {budget} | {q} | {len(rs)} | {b.sum(1).mean():.3g} | "
-                            f"{c.sum(1).mean():.3g} | {m:+.3g} [{lo:+.3g}, {hi:+.3g}] | {v} | "
+                            f"{c.sum(1).mean():.3g} | {c.sum(1).mean() / b.sum(1).mean():.2f} | "
                             f"{int((c.mean(0) < b.mean(0)).sum())} of {b.shape[1]} |")
+                if len(rs) > 1:  # the claim, paired over samples: the registry's row
+                    ids.append(_register_units(
+                        rs, rs, "perturbation", cl.spec(rs[0]["critical"], r0["set"]),
+                        cl.spec(base, r0["set"]), r0["task"],
+                        r0["context"], "context_only", f"{budget} ({q} queries)",
+                        [str(f.relative_to(ROOT))], (f"{q}_critical", f"{q}_base")))
+        TABLES.append(ids)
+        rows += ["", "The claim, the critical form's perturbation below its base's, paired "
+                 "over the samples:", "", f"@@claims-table-{len(TABLES) - 1}@@"]
         blocks.append(
             f"{r0['task']}, {r0['context']} tokens, context-only (the paper's setting), "
             "methods at their defaults"
@@ -671,16 +714,11 @@ def d2o_perplexity() -> str | None:
         for label in dict.fromkeys(r["label"] for r in recs if r["label"] != "full"):
             rows.append(f"| {label} | " + " | ".join(
                 ppl(at[label, x]) if (label, x) in at else "-" for x in rhos) + " |")
-        claims = ["| claim | mean NLL difference per token [95%] | verdict |", "|---|---|---|"]
-        for a, b in PPL_CLAIMS:
-            for x in rhos:
-                if (a, x) in at and (b, x) in at:
-                    d = [p - q for p, q in zip(at[a, x]["nll_blocks"], at[b, x]["nll_blocks"])]
-                    m, lo, hi = _mean_ci(d)
-                    v = ("holds" if hi < 0 else "does not hold" if lo > 0
-                         else "cannot tell (a tie)")
-                    claims.append(f"| {a} below {b} at rho {x:g} | {m:+.3f} [{lo:+.3f}, "
-                                  f"{hi:+.3f}] | {v} |")
+        ids = [_register_units([at[a, x]], [at[b, x]], "nll", a, b, r0["text"], r0["tokens"],
+                               "perplexity", f"rho {x:g}", [str(f.relative_to(ROOT))])
+               for a, b in PPL_CLAIMS for x in rhos if (a, x) in at and (b, x) in at]
+        TABLES.append(ids)
+        claims = [f"@@claims-table-{len(TABLES) - 1}@@"]
         wall = sum(r.get("wall_s", 0) for r in recs) / 60
         n = r0["tokens"] - r0["prompt"]
         blocks.append(

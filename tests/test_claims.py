@@ -106,7 +106,7 @@ def test_registry_recomputes_from_the_records_it_names():
             assert got[k] == r[k], (r["id"], k)
         for k in ("a_acc", "b_acc", "p", "diff_lo", "diff_hi"):
             assert math.isclose(got[k], r[k], rel_tol=1e-9, abs_tol=1e-12), (r["id"], k)
-        fresh.append({**{k: r[k] for k in ("paper", "model", "kind", "margin")}, **got,
+        fresh.append({**{k: r[k] for k in ("paper", "model", "kind", "margin", "metric")}, **got,
                       "margin": r["margin"] or claims.MARGIN})
     for r, j in zip(rows, claims.judge(fresh)):
         assert math.isclose(j["p_holm"], r["p_holm"], rel_tol=1e-9), r["id"]
@@ -146,3 +146,13 @@ def test_pages_show_the_registrys_verdicts():
                 if tag.search(x)]
         assert hits, (r["id"], r["page"], r["a"], r["b"], r["budget"])
         assert all(f"| {r['verdict']} |" in x for x in hits), (r["id"], hits)
+
+
+def test_unbounded_metrics_have_no_floor():
+    """Minus a perplexity's NLL is never "on the floor": only accuracies have one."""
+    s = {"a_acc": -2.8, "b_acc": -1.9, "a_wins": 0, "b_wins": 12, "diff_lo": -1, "diff_hi": -0.7}
+    assert claims.verdict("better", s, 0.017, bounded=False) == ("does not hold", "b wins")
+    assert claims.verdict("better", s, 0.017)[0] == "uninformative"  # read as accuracies
+    recs = [{"nll_blocks": [2.0, 3.0]}, {"question_base": [1.0, 2.0]}]
+    assert claims.units(recs[:1], "nll") == [-2.0, -3.0]
+    assert claims.units(recs[1:], "perturbation", "question_base") == [-3.0]
