@@ -76,6 +76,7 @@ def _csv(parse_one):
 
 
 _INT = functools.partial(_number, int, what="an integer")
+MAX_SAMPLES = 100_000  # a sweep builds every prompt first: 1e11 of them ran out of memory
 
 
 def _mesh_text(text: str) -> str:
@@ -117,9 +118,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "haystack length gives it, else the nearest below; records give "
                         "prompt_tokens); for RULER's tasks its max_seq_length (the prompt "
                         "plus the tokens to generate); benchmark files carry their own")
-    p.add_argument("--samples", type=_INT(1), default=None,
-                   help="samples per synthetic or RULER task (default 20); for a benchmark file, at "
-                        "most this many of those --fraction picks (default: all)")
+    p.add_argument("--samples", type=_INT(1, MAX_SAMPLES + 1), default=None,
+                   help="samples per synthetic or RULER task (default 20, at most "
+                        f"{MAX_SAMPLES}: every prompt is built before the first runs); for a "
+                        "benchmark file, at most this many of those --fraction picks "
+                        "(default: all)")
     p.add_argument("--fraction", type=_fraction, default=None,
                    help="benchmark files: the share of each file's samples to run, "
                         "ceil(f n), the same ones for a --seed (default 1)")

@@ -87,9 +87,12 @@ def page_of(json_path: Path, results: Path) -> str | None:
 
 def load(results: Path) -> list[dict]:
     """Every accuracy record under `results`, each with `_file` and `_page` added, in file
-    order; per-sample `details` dropped. Files that are not `kvjax.run` outputs are skipped."""
+    order; per-sample `details` dropped. Files that are not `kvjax.run` outputs, and
+    `dev_*` files (tuning on a dev seed), are skipped."""
     out = []
     for path in sorted([*results.rglob("*.json"), *results.rglob("*.jsonl")]):
+        if path.name.startswith("dev_"):  # tuning runs on a dev seed (pooling.md), not results
+            continue
         try:
             recs = report.load_records(path)
         except (ValueError, KeyError, TypeError):

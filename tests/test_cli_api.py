@@ -197,6 +197,8 @@ BAD = [
     (["--context", "-5"], "argument --context: -5 is outside the allowed range: an integer >= 1"),
     (["--context", "5000"], "--context 5000 exceeds the model's maximum length 1024 tokens"),
     (["--context", "1e3"], "argument --context: '1e3' is not an integer"),
+    (["--samples", "100000000000"], "argument --samples: 100000000000 is outside the allowed "
+     "range: an integer in [1, 100001)"),
     (["--seed", "-1"], "argument --seed: -1 is outside the allowed range: an integer >= 0"),
     (["--samples", "0"], "argument --samples: 0 is outside"),
     (["--batch-size", "0"], "argument --batch-size: 0 is outside"),
