@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -135,10 +136,41 @@ def model_dir(name_or_path: str | Path) -> Path:
     elif str(name_or_path) in PACKAGED:
         path = packaged_file(str(name_or_path))
     elif not (path.is_dir() or gguf.is_gguf(path)):
+        if _HUB_ID.fullmatch(str(name_or_path)) and not path.exists():
+            return hub_snapshot(str(name_or_path))
         raise FileNotFoundError(
             f"model {str(name_or_path)!r} is neither a bundled model {BUNDLED}, a packaged "
-            f"model {tuple(PACKAGED)}, a local checkpoint directory nor a GGUF file")
+            f"model {tuple(PACKAGED)}, a local checkpoint directory, a GGUF file nor a "
+            "Hugging Face Hub id (org/name)")
     return path
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# what `load` reads of a Hub checkpoint: config, weights, tokenizer, chat template
+HUB_FILES = ("*.json", "*.safetensors", "*.jinja", "tokenizer.model")
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """A Hugging Face Hub checkpoint's directory, as transformers' `from_pretrained` finds
+    it: the Hugging Face cache first (`HF_HUB_CACHE`), else a download, unless offline
+    (`HF_HUB_OFFLINE=1`); one error naming the id when it is neither."""
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=list(HUB_FILES),
+                                      local_files_only=True))
+    except Exception as cached:  # not (completely) in the cache
+        if constants.HF_HUB_OFFLINE:
+            raise FileNotFoundError(
+                f"model {repo_id!r}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+                "and HF_HUB_OFFLINE is set, so it is not downloaded") from cached
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=list(HUB_FILES)))
+    except Exception as e:
+        raise FileNotFoundError(
+            f"model {repo_id!r}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+            f"and not downloadable: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        ) from e
 
 
 def packaged_file(name: str) -> Path:
@@ -166,7 +198,8 @@ def resolve_dtype(dtype="auto"):
 
 def load(name_or_path: str | Path = "tiny-retrieval", dtype=jnp.float32, mesh=None) -> Model:
     """A bundled or packaged model by name (`BUNDLED`, `PACKAGED`), a local HF checkpoint
-    directory, or a GGUF file (`kvjax.models.gguf`; no network).
+    directory, a GGUF file (`kvjax.models.gguf`), or a Hugging Face Hub id ("org/name":
+    `hub_snapshot`, from the HF cache, downloaded only when not cached and not offline).
 
     dtype: of the parameters (`resolve_dtype`: a dtype, its name, or "auto"). The stop
     set (`cfg.eos_token_ids`) is generation_config.json's eos ids when it has them (as in
@@ -188,7 +221,9 @@ def load(name_or_path: str | Path = "tiny-retrieval", dtype=jnp.float32, mesh=No
         return Model(cfg, params, name, path, tokenizer, text_format, mesh)
     cfg, params = load_hf(path, resolve_dtype(dtype), shardings=shardings)
     tokenizer, text_format = _tokenizer(path)
-    return Model(cfg, params, path.name, path, tokenizer, text_format, mesh)
+    hub = path.parent.name == "snapshots" and not Path(name_or_path).exists()
+    return Model(cfg, params, str(name_or_path) if hub else path.name, path, tokenizer,
+                 text_format, mesh)
 
 
 def load_tokenizer(name_or_path: str | Path):

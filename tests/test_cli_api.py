@@ -700,3 +700,26 @@ def test_readme_use_snippet_runs_as_pasted(tmp_path):
                        cwd=tmp_path, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "0.125" in r.stdout  # SnapKV at 128 of 1024 keeps 1/8 of the cache
+
+
+def test_load_a_hub_id_from_the_hf_cache(model_dir, tmp_path, monkeypatch):
+    """`kvjax.load("org/name")` reads the Hugging Face cache as `from_pretrained` does;
+    offline and not cached: one error naming the id."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--kvjax-test--tiny"
+    shutil.copytree(model_dir, repo / "snapshots" / rev)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    model = kvjax.load("kvjax-test/tiny")
+    assert model.name == "kvjax-test/tiny" and model.cfg.num_layers > 0
+    with pytest.raises(FileNotFoundError, match=r"model 'kvjax-test/missing': not in the "
+                                                r"Hugging Face cache .* HF_HUB_OFFLINE"):
+        kvjax.load("kvjax-test/missing")
+    with pytest.raises(FileNotFoundError, match="nor a Hugging Face Hub id"):
+        kvjax.load("no-such-dir")
