@@ -19,9 +19,8 @@ def __getattr__(name):
     if name in ("methods", "tasks"):
         return importlib.import_module(f"kvjax.{name}")
     if name in _FROM:
-        # bind every public name at once: importing kvjax.api imports the subpackage
-        # kvjax.compress, which Python sets as this module's `compress` attribute; the
-        # function `compress` must win, as it did when this file imported it eagerly
+        # bind every public name at once (the function `compress` lives in kvjax.api; the
+        # method protocol's subpackage is `kvjax.compression`, so no import rebinds it)
         for n, mod in _FROM.items():
             globals()[n] = getattr(importlib.import_module(mod), n)
         return globals()[name]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import distributed, engine
-from kvjax.compress.method import Method
+from kvjax.compression.method import Method
 from kvjax.config import ModelConfig
 from kvjax.models import packaged
 from kvjax.models.checkpoint import load_hf

@@ -17,7 +17,7 @@ single-device code is the multi-device code. The compression step is the excepti
 (`Method.splits_heads`: the SnapKV family, AdaKV, H2O, LAVa, CAKE), the engine runs the
 hook per device in a `jax.shard_map` over `model` (`shard_heads`): each device scores
 and selects for its own KV heads, and what spans heads goes through `LayerIO.heads`
-(`kvjax.compress.heads`: sums as psums, the flattened top-k of AdaKV and LAVa as an
+(`kvjax.compression.heads`: sums as psums, the flattened top-k of AdaKV and LAVa as an
 all-gather of each device's candidates), keeping the single-device entries, ties
 included. Other methods (token selection, block pruning, TOVA's head mean, wrappers)
 are partitioned by XLA.
@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvjax.compress.heads import Heads
+from kvjax.compression.heads import Heads
 from kvjax.config import ModelConfig
 
 AXES = ("data", "model")

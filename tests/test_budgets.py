@@ -1,4 +1,4 @@
-"""kvjax.compress.budgets: PyramidKV's schedule (= kvpress), AdaKV's flattened selection (= a numpy
+"""kvjax.compression.budgets: PyramidKV's schedule (= kvpress), AdaKV's flattened selection (= a numpy
 transcription of kvpress `AdaKVPress.compress`), and their invariants."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvjax.compress import budgets
+from kvjax.compression import budgets
 
 
 def _kvpress_pyramid(budget, n, L, window, beta):
@@ -180,7 +180,7 @@ def test_water_fill_is_the_clipped_proportional_fill(seed):
     float32 sums of ~L values of up to ~100); totals outside [sum lo, sum hi] land on the
     bound; a weight-0 layer with hi = 0 holds 0. `largest_remainder` keeps the sum and
     moves no size by more than its fractional part."""
-    from kvjax.compress.budgets import largest_remainder, water_fill
+    from kvjax.compression.budgets import largest_remainder, water_fill
 
     rng = np.random.default_rng(seed)
     L = 12

@@ -621,11 +621,13 @@ def test_cli_resume_drops_a_record_cut_off_by_a_kill(model_dir, tmp_path, capsys
 
 def test_public_names_after_a_lazy_import():
     """`import kvjax` is lazy (the CLI handles Ctrl-C before JAX loads); the public names
-    are the API's, `kvjax.compress` the function, not the subpackage of that name."""
+    are the API's, `kvjax.compress` the function, also after `import kvjax.methods` (the
+    subpackage is `kvjax.compression`: no name is both)."""
     import subprocess as sp
 
     code = ("import kvjax, sys; assert 'jax' not in sys.modules; kvjax.load; "
             "from kvjax import api; assert kvjax.compress is api.compress; "
+            "import kvjax.methods; assert kvjax.compress is api.compress; "
             "assert kvjax.generate is api.generate and callable(kvjax.Model)")
     r = sp.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvjax import engine, methods
-from kvjax.compress import selection as select
+from kvjax.compression import selection as select
 from kvjax.engine import layers
 from kvjax.methods.critical import projected_norms as critical
 

@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvjax import engine, methods
-from kvjax.compress.layer import LayerIO, LayerKV, Rows
+from kvjax.compression.layer import LayerIO, LayerKV, Rows
 from kvjax.methods.d2o.discriminative import waterfill
 from kvjax.methods.d2o.merging import merge
 

@@ -47,7 +47,7 @@ import numpy as np
 import pytest
 
 from kvjax import engine, methods
-from kvjax.compress.layer import LayerIO
+from kvjax.compression.layer import LayerIO
 
 torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")

@@ -11,7 +11,7 @@ import pytest
 from jax import monitoring
 
 from kvjax import engine, methods
-from kvjax.compress import cache as kvcache
+from kvjax.compression import cache as kvcache
 from kvjax.config import ModelConfig
 from kvjax.methods import Method
 from kvjax.models import attention

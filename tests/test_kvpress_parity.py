@@ -39,7 +39,7 @@ hf_models = pytest.importorskip("hf_models")
 from transformers import DynamicCache  # noqa: E402
 
 from kvjax import engine, methods  # noqa: E402
-from kvjax.compress import budgets  # noqa: E402
+from kvjax.compression import budgets  # noqa: E402
 from kvjax.engine import layers  # noqa: E402
 from kvjax.models.checkpoint import load_hf  # noqa: E402
 

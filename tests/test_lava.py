@@ -333,13 +333,13 @@ class _FullRows(methods.LAVa):
     per-head rule (what a wrapper such as CriticalKV gets), not the bounded buffer."""
 
     def finalize(self, kv, aux, st):
-        from kvjax.compress.eviction import top_per_head
+        from kvjax.compression.eviction import top_per_head
         return self.select_final(kv, st, top_per_head)
 
 
 class _FullRowsCAKE(methods.CAKE):
     def finalize(self, kv, aux, st):
-        from kvjax.compress.eviction import top_per_head
+        from kvjax.compression.eviction import top_per_head
         return self.select_final(kv, st, top_per_head)
 
 

@@ -38,7 +38,7 @@ _PEAKS: dict = {}
 
 def peak(model, name: str, **kw) -> int:
     """The prefill program's temp + output bytes (compiled once per method)."""
-    from kvjax.compress.method import Method
+    from kvjax.compression.method import Method
 
     key = (name, tuple(sorted(kw.items())))
     if key not in _PEAKS:

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 import kvjax
 from kvjax import engine, methods, run_args, run_sweep
-from kvjax.compress import budgets
-from kvjax.compress import selection as select
-from kvjax.compress.layer import LayerIO
+from kvjax.compression import budgets
+from kvjax.compression import selection as select
+from kvjax.compression.layer import LayerIO
 from kvjax.config import ModelConfig
 from kvjax.models.checkpoint import save_hf
 from kvjax.train import init_params

@@ -31,8 +31,8 @@ SCRIPT = textwrap.dedent("""
     from jax.sharding import PartitionSpec as P
     import kvjax
     from kvjax import distributed, engine, methods, run
-    from kvjax.compress import budgets
-    from kvjax.compress.heads import Heads, flat_top_mask
+    from kvjax.compression import budgets
+    from kvjax.compression.heads import Heads, flat_top_mask
     from kvjax.config import ModelConfig
     from kvjax.methods.lava import cascade
     from kvjax.train import export_model, init_params

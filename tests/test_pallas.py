@@ -128,7 +128,7 @@ def test_window_scores_gpu_interpret_wide(p):
 def test_window_scores_reference_matches_layerwise_and_scoring():
     """The op's reference = scoring.snap_scores = layerwise.window_scores reduced over G
     (the two scorers differ only in the window reduction's default: mean vs sum)."""
-    from kvjax.compress import scoring
+    from kvjax.compression import scoring
     from kvjax.methods.asl import layerwise
 
     q, k, valid = score_case(5, 2, 4, 2, 8, 77, 16, 9, jnp.float32)
@@ -294,8 +294,8 @@ def test_compact_gpu_interpret():
 
 def test_compact_reference_matches_layerwise_selection():
     """Indices from `top_with_window` (top_k, sorted) gathered like the layer-wise path."""
-    from kvjax.compress.cache import take_slots as gather
-    from kvjax.compress.selection import top_with_window
+    from kvjax.compression.cache import take_slots as gather
+    from kvjax.compression.selection import top_with_window
 
     B, K, T, D, S, w = 1, 2, 60, 8, 20, 4
     k, v, pos, _, _ = compact_case(0, B, K, T, S, D, jnp.float32)

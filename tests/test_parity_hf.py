@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 hf_models = pytest.importorskip("hf_models")
 
 from kvjax import engine  # noqa: E402
-from kvjax.compress.cache import KVCache  # noqa: E402
+from kvjax.compression.cache import KVCache  # noqa: E402
 from kvjax.methods import Method  # noqa: E402
 from kvjax.models.checkpoint import load_hf  # noqa: E402
 

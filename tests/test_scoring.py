@@ -1,4 +1,4 @@
-"""kvjax.compress.scoring against plain numpy (and torch's pooling) on random inputs."""
+"""kvjax.compression.scoring against plain numpy (and torch's pooling) on random inputs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvjax.compress import scoring
+from kvjax.compression import scoring
 
 RTOL = 1e-5
 

@@ -69,7 +69,7 @@ def rows(model, names: list[str], n: int, budget: int, overrides: dict,
     the same budget: what scoring and a budget-sized cache cost without a cascade), and
     each method without and with the cascade."""
     from kvjax import methods
-    from kvjax.compress.method import Method
+    from kvjax.compression.method import Method
 
     out = [("forward", forward_bytes(model, n), 0), ("full", program_bytes(model, Method(), n), n)]
     for name in references:

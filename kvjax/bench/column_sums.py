@@ -22,7 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from kvjax.compress import scoring
+from kvjax.compression import scoring
 from kvjax.models import attention
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.compress.cache import LayerKV
+from kvjax.compression.cache import LayerKV
 from kvjax.config import ModelConfig
 from kvjax.models import attention, transformer
 from kvjax.pallas.dispatch import Kernels

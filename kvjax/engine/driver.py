@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from kvjax import distributed
-from kvjax.compress import cache as kvcache
-from kvjax.compress.method import Method
+from kvjax.compression import cache as kvcache
+from kvjax.compression.method import Method
 from kvjax.config import ModelConfig
 from kvjax.engine import shared, steps
 from kvjax.engine.clock import Clock

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from kvjax.compress.budgets import quarter_octave
+from kvjax.compression.budgets import quarter_octave
 
 
 def bucket(n: int, minimum: int = 16) -> int:

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from kvjax import pallas
-from kvjax.compress.cache import LayerKV, set_rows, write
-from kvjax.compress.layer import LayerIO, Rows
+from kvjax.compression.cache import LayerKV, set_rows, write
+from kvjax.compression.layer import LayerIO, Rows
 from kvjax.config import ModelConfig
 from kvjax.models import attention, transformer
 from kvjax.pallas.dispatch import Kernels, note

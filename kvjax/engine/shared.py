@@ -24,7 +24,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from kvjax.compress.method import Method
+from kvjax.compression.method import Method
 from kvjax.config import ModelConfig
 from kvjax.engine import steps
 from kvjax.engine.clock import Clock

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import distributed
-from kvjax.compress import cache as kvcache
-from kvjax.compress.layer import LayerIO
-from kvjax.compress.method import Method
+from kvjax.compression import cache as kvcache
+from kvjax.compression.layer import LayerIO
+from kvjax.compression.method import Method
 from kvjax.config import ModelConfig
 from kvjax.engine import block_pruning, token_selection
 from kvjax.engine.executables import compile_once

@@ -24,8 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.compress.cache import LayerKV
-from kvjax.compress.selection import top_with_window
+from kvjax.compression.cache import LayerKV
+from kvjax.compression.selection import top_with_window
 from kvjax.config import ModelConfig
 from kvjax.models import attention, transformer
 from kvjax.pallas.dispatch import Kernels

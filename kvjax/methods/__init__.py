@@ -12,11 +12,11 @@
 | `d2o/`            | d2o, d2o_code, roco, cam                                           |
 
 `full` (the uncompressed baseline) is the protocol's base class,
-`kvjax.compress.method.Method`. Every method is a frozen dataclass; docs/methods.md gives
+`kvjax.compression.method.Method`. Every method is a frozen dataclass; docs/methods.md gives
 each one's equations, defaults and where the paper and the authors' code differ.
 """
 
-from kvjax.compress.method import Method
+from kvjax.compression.method import Method
 from kvjax.methods.registry import config, create, get, names, parameters, register
 
 register(Method)

@@ -19,7 +19,7 @@ from importlib import resources
 
 import yaml
 
-from kvjax.compress.method import Method
+from kvjax.compression.method import Method
 
 _CLASSES: dict[str, type[Method]] = {}
 _WRAPPED: dict[str, tuple[type[Method], str]] = {}  # name -> (wrapper class, base name)

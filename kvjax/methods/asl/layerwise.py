@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from kvjax import pallas
-from kvjax.compress import scoring
-from kvjax.compress.method import Method
+from kvjax.compression import scoring
+from kvjax.compression.method import Method
 from kvjax.config import ModelConfig
 from kvjax.models import attention
 from kvjax.pallas.dispatch import Kernels

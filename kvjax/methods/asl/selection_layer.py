@@ -47,7 +47,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.compress import budgets
+from kvjax.compression import budgets
 from kvjax.config import ModelConfig
 from kvjax.methods.asl.layerwise import LayerwiseSelection, descending_ranks
 from kvjax.methods.registry import register

@@ -29,8 +29,8 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.compress.eviction import HeadBudgets, WindowScored, real_length
-from kvjax.compress.layer import LayerIO
+from kvjax.compression.eviction import HeadBudgets, WindowScored, real_length
+from kvjax.compression.layer import LayerIO
 from kvjax.config import ModelConfig
 from kvjax.methods.critical import head_scores
 from kvjax.methods.registry import register

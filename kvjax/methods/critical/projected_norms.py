@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.compress.selection import mark
+from kvjax.compression.selection import mark
 from kvjax.pallas.ops.value_norms import xla as value_norms_xla
 
 EPS = 1e-4

@@ -30,10 +30,10 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 
 from kvjax import pallas
-from kvjax.compress import selection
-from kvjax.compress.eviction import HeadBudgets, PrefillEviction
-from kvjax.compress.layer import LayerIO
-from kvjax.compress.method import Method
+from kvjax.compression import selection
+from kvjax.compression.eviction import HeadBudgets, PrefillEviction
+from kvjax.compression.layer import LayerIO
+from kvjax.compression.method import Method
 from kvjax.config import ModelConfig
 from kvjax.methods.critical import projected_norms
 from kvjax.methods.critical.headkv import HeadKV

@@ -50,9 +50,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.compress import scoring, selection
-from kvjax.compress.eviction import DecodeEviction, force, query_sum
-from kvjax.compress.layer import LayerIO, LayerKV, Rows
+from kvjax.compression import scoring, selection
+from kvjax.compression.eviction import DecodeEviction, force, query_sum
+from kvjax.compression.layer import LayerIO, LayerKV, Rows
 from kvjax.config import ModelConfig
 from kvjax.methods.registry import register
 

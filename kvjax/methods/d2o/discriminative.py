@@ -7,7 +7,7 @@ Two schedules (`evict_at`), one per variant:
 
 `d2o` (the paper, `evict_at="prefill"`). Layer level (D2O paper, Eq. 4-5): F_v^l = variance
 over the prompt columns of the layer's attention column sums (H2O's accumulated attention,
-`kvjax.compress.scoring.cumulative_attention`, blockwise, never [H, n, n]), per query head,
+`kvjax.compression.scoring.cumulative_attention`, blockwise, never [H, n, n]), per query head,
 then the mean over the query heads (`variance="raw"`: population variance). S_l = alpha_l *
 budget with alpha_l = L * softmax_l(-F_v) (`budget` is the paper's rho * S, the average per
 layer). Each S_l lies in [T + 2, min(n, slots)], slots = min(n, ceil(cap * budget)) (the
@@ -98,9 +98,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.compress import budgets, scoring, selection
-from kvjax.compress.eviction import DecodeEviction, query_sum
-from kvjax.compress.layer import LayerIO, LayerKV, Rows
+from kvjax.compression import budgets, scoring, selection
+from kvjax.compression.eviction import DecodeEviction, query_sum
+from kvjax.compression.layer import LayerIO, LayerKV, Rows
 from kvjax.config import ModelConfig
 from kvjax.methods.d2o.merging import MERGES, merge, nearest, nearest_blocked
 from kvjax.methods.registry import register

@@ -11,7 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kvjax.compress.layer import Rows
+from kvjax.compression.layer import Rows
 
 MERGES = ("softmax", "mean")
 

@@ -48,9 +48,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.compress import scoring, selection
-from kvjax.compress.eviction import DecodeEviction
-from kvjax.compress.layer import LayerIO
+from kvjax.compression import scoring, selection
+from kvjax.compression.eviction import DecodeEviction
+from kvjax.compression.layer import LayerIO
 from kvjax.config import ModelConfig
 from kvjax.methods.registry import register
 from kvjax.models import attention

@@ -32,8 +32,8 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from kvjax.compress import scoring
-from kvjax.compress.layer import LayerIO
+from kvjax.compression import scoring
+from kvjax.compression.layer import LayerIO
 from kvjax.config import ModelConfig
 from kvjax.methods.lava.cascade import Cascading
 from kvjax.methods.registry import register

@@ -57,11 +57,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.compress import budgets, selection
-from kvjax.compress.eviction import Chooser, HeadBudgets, PrefillEviction, real_length
-from kvjax.compress.heads import Heads
-from kvjax.compress.heads import flat_rank as split_flat_rank
-from kvjax.compress.layer import LayerIO, LayerKV
+from kvjax.compression import budgets, selection
+from kvjax.compression.eviction import Chooser, HeadBudgets, PrefillEviction, real_length
+from kvjax.compression.heads import Heads
+from kvjax.compression.heads import flat_rank as split_flat_rank
+from kvjax.compression.layer import LayerIO, LayerKV
 from kvjax.config import ModelConfig
 
 HEADS = ("flat", "uniform", "safeguard")

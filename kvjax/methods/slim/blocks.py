@@ -17,7 +17,7 @@ import math
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.compress import scoring, selection
+from kvjax.compression import scoring, selection
 from kvjax.config import ModelConfig
 
 # Llama-3.1-8B has 32 layers and the paper's schedule is given for 32k prompts (Sec. 5.1)

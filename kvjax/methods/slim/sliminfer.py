@@ -66,9 +66,9 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.compress import budgets
-from kvjax.compress.layer import LayerIO
-from kvjax.compress.method import Method
+from kvjax.compression import budgets
+from kvjax.compression.layer import LayerIO
+from kvjax.compression.method import Method
 from kvjax.config import ModelConfig
 from kvjax.methods.registry import register
 from kvjax.methods.slim import blocks, swap

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.compress.layer import Revival
+from kvjax.compression.layer import Revival
 from kvjax.config import ModelConfig
 from kvjax.methods.slim import blocks, host_store
 

@@ -20,7 +20,7 @@ top-k. `safeguard="code"` (FFY0/AdaKV `AdaptiveSnapKVCluster`): flattened top-k 
 may then differ from `K * b` by rounding.
 
 Defaults (AdaKV code and paper: window 32, maxpool 7, floor_alpha 0.2; GQA mean as its
-GQA support and kvpress). For Ada-PyramidKV the schedule is `kvjax.compress.budgets.pyramid`
+GQA support and kvpress). For Ada-PyramidKV the schedule is `kvjax.compression.budgets.pyramid`
 (kvpress's float form; the AdaKV code's `pyram_mode` uses integer division).
 """
 
@@ -33,9 +33,9 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.compress import budgets
-from kvjax.compress.eviction import HeadBudgets, WindowScored, real_length
-from kvjax.compress.layer import LayerIO
+from kvjax.compression import budgets
+from kvjax.compression.eviction import HeadBudgets, WindowScored, real_length
+from kvjax.compression.layer import LayerIO
 from kvjax.config import ModelConfig
 from kvjax.methods.registry import register
 from kvjax.methods.snapkv_family.pyramidkv import PyramidSchedule, _table

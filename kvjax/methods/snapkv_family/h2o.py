@@ -21,9 +21,9 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from kvjax.compress import scoring, selection
-from kvjax.compress.eviction import DecodeEviction, force, newest_positions, query_sum, tail_mask
-from kvjax.compress.layer import LayerIO
+from kvjax.compression import scoring, selection
+from kvjax.compression.eviction import DecodeEviction, force, newest_positions, query_sum, tail_mask
+from kvjax.compression.layer import LayerIO
 from kvjax.config import ModelConfig
 from kvjax.methods.registry import register
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from kvjax.compress import scoring
-from kvjax.compress.eviction import PrefillEviction, force, tail_mask
-from kvjax.compress.layer import LayerIO
+from kvjax.compression import scoring
+from kvjax.compression.eviction import PrefillEviction, force, tail_mask
+from kvjax.compression.layer import LayerIO
 from kvjax.methods.registry import register
 
 

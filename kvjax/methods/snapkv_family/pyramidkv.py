@@ -4,7 +4,7 @@ information funneling").
 SnapKV's score (window attention, pooled, GQA mean), with per-layer budgets on a linear
 pyramid (LAVa paper Eq. 21): the first layer keeps `2B - B/beta`, the last `B/beta`, the
 mean over layers is `budget` (window included in every layer's count). The schedule is
-kvpress `PyramidKVPress.get_layer_budget` exactly (`kvjax.compress.budgets.pyramid`): the first
+kvpress `PyramidKVPress.get_layer_budget` exactly (`kvjax.compression.budgets.pyramid`): the first
 layer is capped at `n - window` (the last raised to keep the mean), and when the smallest
 layer budget would fall below the window, every layer keeps `budget` (kvpress's "fall
 back to SnapKV"). With beta 20 that fallback applies whenever `budget < 20 * window`.
@@ -27,9 +27,9 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.compress import budgets
-from kvjax.compress.eviction import WindowScored, real_length
-from kvjax.compress.layer import LayerIO
+from kvjax.compression import budgets
+from kvjax.compression.eviction import WindowScored, real_length
+from kvjax.compression.layer import LayerIO
 from kvjax.config import ModelConfig
 from kvjax.methods.registry import register
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from kvjax.compress.eviction import WindowScored
+from kvjax.compression.eviction import WindowScored
 from kvjax.methods.registry import register
 
 

@@ -19,8 +19,8 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from kvjax.compress.eviction import DecodeEviction, force
-from kvjax.compress.layer import LayerIO
+from kvjax.compression.eviction import DecodeEviction, force
+from kvjax.compression.layer import LayerIO
 from kvjax.config import ModelConfig
 from kvjax.methods.registry import register
 

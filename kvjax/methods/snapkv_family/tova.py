@@ -20,9 +20,9 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from kvjax.compress import scoring
-from kvjax.compress.eviction import DecodeEviction, force, newest_positions, tail_mask
-from kvjax.compress.layer import LayerIO
+from kvjax.compression import scoring
+from kvjax.compression.eviction import DecodeEviction, force, newest_positions, tail_mask
+from kvjax.compression.layer import LayerIO
 from kvjax.methods.registry import register
 
 

@@ -1,7 +1,7 @@
 """`compact`: gather each head's kept rows of K, V and positions into fixed-capacity slots.
 
 `idx` holds, per (batch, KV head), the kept source rows in slot order (ascending, from
-`lax.top_k` then a sort: `kvjax.compress.selection.top_with_window`); the first
+`lax.top_k` then a sort: `kvjax.compression.selection.top_with_window`); the first
 `count` slots are live. Dead slots come back as zeros with `valid` False, so that a
 masked attention multiplying them by 0 never meets NaN.
 """

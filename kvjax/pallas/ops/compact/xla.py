@@ -1,11 +1,11 @@
-"""The reference: `kvjax.compress.cache.take_slots` at the kept indices; dead slots are zeros."""
+"""The reference: `kvjax.compression.cache.take_slots` at the kept indices; dead slots are zeros."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.compress.cache import take_slots
+from kvjax.compression.cache import take_slots
 
 
 def live_slots(count_BK: Int[Array, "B K"], S: int) -> Bool[Array, "B K S"]:

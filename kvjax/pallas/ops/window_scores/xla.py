@@ -1,10 +1,10 @@
-"""The reference: `kvjax.compress.scoring.snap_scores` (pure jnp, holds [B, H, window, T])."""
+"""The reference: `kvjax.compression.scoring.snap_scores` (pure jnp, holds [B, H, window, T])."""
 
 from __future__ import annotations
 
 from jaxtyping import Array, Bool, Float
 
-from kvjax.compress import scoring
+from kvjax.compression import scoring
 
 
 def window_scores(

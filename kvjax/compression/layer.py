@@ -16,8 +16,8 @@ from typing import NamedTuple
 import jax
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.compress.cache import LayerKV, set_rows
-from kvjax.compress.heads import Heads
+from kvjax.compression.cache import LayerKV, set_rows
+from kvjax.compression.heads import Heads
 from kvjax.config import ModelConfig
 from kvjax.pallas.dispatch import Kernels
 
@@ -42,7 +42,7 @@ class LayerIO:
     cfg: ModelConfig | None = None  # static: the model
     kernels: Kernels = Kernels()  # static: the run's kernel implementations
     # static: all KV heads, or this device's block of them inside the engine's shard_map;
-    # what spans heads (a sum, a flattened top-k) goes through it (`kvjax.compress.heads`)
+    # what spans heads (a sum, a flattened top-k) goes through it (`kvjax.compression.heads`)
     heads: Heads = Heads()
     # prefill: each query's log-sum-exp over the prompt's keys (the causal softmax's
     # normaliser, +inf for a query that sees none), where the prompt attention computed it

@@ -9,7 +9,7 @@ attention. Inside the prefill's layer scan, after each layer's attention, a meth
 3. chooses which (`choose`: the top `count` per head; a wrapper such as CriticalKV passes
    its own rule to `evict_layer`), and
 4. gathers them into S = `cache_slots(T, cfg)` static slots, ascending by position, dead
-   slots after (`kvjax.compress.selection`).
+   slots after (`kvjax.compression.selection`).
 So the full-prompt KV of all layers never exists at once, and one compiled program
 serves every budget of the same static slot count.
 
@@ -30,10 +30,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import pallas
-from kvjax.compress import selection
-from kvjax.compress.layer import LayerIO, LayerKV
-from kvjax.compress.method import Method
-from kvjax.compress.scoring import GQA_REDUCTIONS, POOLINGS
+from kvjax.compression import selection
+from kvjax.compression.layer import LayerIO, LayerKV
+from kvjax.compression.method import Method
+from kvjax.compression.scoring import GQA_REDUCTIONS, POOLINGS
 from kvjax.config import ModelConfig
 
 

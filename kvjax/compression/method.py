@@ -33,8 +33,8 @@ from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
-from kvjax.compress.cache import KVCache, LayerKV
-from kvjax.compress.layer import LayerIO
+from kvjax.compression.cache import KVCache, LayerKV
+from kvjax.compression.layer import LayerIO
 from kvjax.config import ModelConfig
 
 PREFILL_KINDS = ("scan", "token_selection", "block_pruning")
@@ -131,7 +131,7 @@ class Method:
     def splits_heads(self) -> bool:
         """True when `after_layer_prefill` gives the single-device result on a block of the
         KV heads: its work is per head and whatever spans heads goes through `io.heads`
-        (`kvjax.compress.heads`). On a mesh with a `model` axis the engine then runs the
+        (`kvjax.compression.heads`). On a mesh with a `model` axis the engine then runs the
         hook per device in a shard_map (`kvjax.distributed.shard_heads`); otherwise XLA
         partitions it from the placements. A subclass that adds work across heads without
         `io.heads` returns False again."""
@@ -167,7 +167,7 @@ class Method:
 
     def revival(self, layer, state: Any):
         """Before a layer's attention while the cache is extended: rows of the cache to
-        recompute at this layer (`kvjax.compress.layer.Revival`), or None (the default:
+        recompute at this layer (`kvjax.compression.layer.Revival`), or None (the default:
         nothing). The engine writes their keys and values at this layer, runs the layer on
         them over the layer's cache (causally), and hands the new x to `revived`. SlimInfer
         revives blocks pruned at prefill from their stored hidden states this way."""

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import pallas
-from kvjax.compress.cache import LayerKV
+from kvjax.compression.cache import LayerKV
 from kvjax.pallas.dispatch import note, resolve
 
 

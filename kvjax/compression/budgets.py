@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from kvjax.compress.heads import Heads, flat_top_mask
-from kvjax.compress.selection import mark
+from kvjax.compression.heads import Heads, flat_top_mask
+from kvjax.compression.selection import mark
 
 
 def length_scale(n: int) -> int:
@@ -145,7 +145,7 @@ def flattened_heads(
     Returns the keep mask (per-head counts are its sums; they add up to `K * b`), and with
     `with_safe` also the safeguard mask (the top `n_safe` of every head). `heads`: the
     scores are one block of the heads (inside the engine's shard_map): the safeguard is
-    per head, the top-k across every block (`kvjax.compress.heads.flat_top_mask`).
+    per head, the top-k across every block (`kvjax.compression.heads.flat_top_mask`).
     """
     B, _, n = scores_BKn.shape
     K = heads.total(scores_BKn.shape[1])

@@ -24,7 +24,7 @@ from kvjax.config import ModelConfig
 class LayerKV:
     """The entries of one layer, or of every layer with a leading L axis (the layer scan
     stacks what each layer keeps). In a decode hook's result `k` and `v` may be
-    `kvjax.compress.layer.Rows`: only those rows change."""
+    `kvjax.compression.layer.Rows`: only those rows change."""
 
     k: Any  # Float[Array, "(L) B K S Dh"] | Rows
     v: Any
