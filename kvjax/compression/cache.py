@@ -17,6 +17,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.config import ModelConfig
+from kvjax.pallas.ops.compact.xla import take_slots  # noqa: F401 -- the gather, owned by the op
 
 
 @jax.tree_util.register_dataclass
@@ -96,13 +97,6 @@ def set_rows(x: Array, lead: tuple, slot_BKE: Int[Array, "B K E"], new: Array) -
     return x.at[idx].set(new.astype(x.dtype), mode="drop")
 
 
-
-
-def take_slots(x_BKC: Array, idx_BKS: Int[Array, "B K S"]) -> Array:
-    """Rows of a per-(batch, head) slot axis at the given indices (axis 2)."""
-    if x_BKC.ndim == 4:
-        return jnp.take_along_axis(x_BKC, idx_BKS[..., None], axis=2)
-    return jnp.take_along_axis(x_BKC, idx_BKS, axis=2)
 
 
 def pad_capacity(cache: KVCache, capacity: int) -> KVCache:

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax import pallas
-from kvjax.compression.cache import LayerKV
-from kvjax.pallas.dispatch import note, resolve
+from kvjax.compression.cache import LayerKV, take_slots
 
 
 def slots_from_scores(
@@ -49,19 +48,13 @@ def slots_from_mask(keep_BKn: Bool[Array, "B K n"], S: int
 
 def compact(kv: LayerKV, idx_BKS: Int[Array, "B K S"], live_BKS: Bool[Array, "B K S"],
             implementation: str | None = None) -> LayerKV:
-    """One layer's (k, v, pos, valid) [B, K, n, ...] gathered into S slots; `valid` = live &
-    was valid.
-
-    `live` is a prefix of the slots (as `slots_from_scores` and `slots_from_mask` give it),
-    so the gather is the `compact` kernel op where `implementation` picks a kernel."""
-    t = lambda x: jnp.take_along_axis(x, idx_BKS[..., None] if x.ndim == 4 else idx_BKS, axis=2)
-    if resolve(implementation, op="compact")[0] != "xla":
-        count = jnp.sum(live_BKS, axis=-1, dtype=jnp.int32)
-        k, v, pos, live = pallas.compact(kv.k, kv.v, kv.pos, idx_BKS, count,
-                                         implementation=implementation)
-        return LayerKV(k, v, pos, live & t(kv.valid))
-    note("compact", "xla")
-    return LayerKV(t(kv.k), t(kv.v), t(kv.pos), t(kv.valid) & live_BKS)
+    """One layer's (k, v, pos, valid) [B, K, n, ...] gathered into S slots by the `compact`
+    op (its backend chosen there; dead slots zeros); `valid` = live & was valid. `live` is
+    a prefix of the slots, as `slots_from_scores` and `slots_from_mask` give it."""
+    count = jnp.sum(live_BKS, axis=-1, dtype=jnp.int32)
+    k, v, pos, live = pallas.compact(kv.k, kv.v, kv.pos, idx_BKS, count,
+                                     implementation=implementation)
+    return LayerKV(k, v, pos, live & take_slots(kv.valid, idx_BKS))
 
 
 def mark(shape: tuple, idx_BKE: Int[Array, "B K E"], value_BKE: Array,

@@ -1,11 +1,17 @@
-"""The reference: `kvjax.compression.cache.take_slots` at the kept indices; dead slots are zeros."""
+"""The reference: `take_slots` (the gather `kvjax.compression` uses too) at the kept indices;
+dead slots are zeros."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.compression.cache import take_slots
+
+def take_slots(x_BKC: Array, idx_BKS: Int[Array, "B K S"]) -> Array:
+    """Rows of a per-(batch, head) slot axis at the given indices (axis 2)."""
+    if x_BKC.ndim == 4:
+        return jnp.take_along_axis(x_BKC, idx_BKS[..., None], axis=2)
+    return jnp.take_along_axis(x_BKC, idx_BKS, axis=2)
 
 
 def live_slots(count_BK: Int[Array, "B K"], S: int) -> Bool[Array, "B K S"]:

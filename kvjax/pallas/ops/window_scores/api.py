@@ -1,6 +1,6 @@
 """`window_scores`: the pooled window attention score of every prefix column, per KV head.
 
-Conventions (docs/methods.md, "Conventions"; `kvjax.compression.scoring.snap_scores` is the
+Conventions (docs/methods.md, "Conventions"; `xla.snap_scores` is the
 reference): the last
 `window` queries attend, softmax in fp32 at 1/sqrt(d) over every key each sees (prefix
 and, causally, the window); the prefix columns [0, T - window) are reduced over the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from jaxtyping import Array, Bool, Float
 
-from kvjax.compression.scoring import GQA_REDUCTIONS, POOLINGS, WINDOW_REDUCTIONS
+from kvjax.pallas.ops.window_scores.xla import GQA_REDUCTIONS, POOLINGS, WINDOW_REDUCTIONS
 from kvjax.pallas import dispatch
 from kvjax.pallas.ops.window_scores import pallas_gpu, pallas_tpu, xla
 

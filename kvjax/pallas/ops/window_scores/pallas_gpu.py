@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Bool, Float
 
-from kvjax.compression import scoring
+from kvjax.pallas.ops.window_scores import xla as scoring
 from kvjax.pallas import mgpu
 
 RB = mgpu.ROWS  # rows per WGMMA
