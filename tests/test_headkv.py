@@ -154,7 +154,7 @@ def test_missing_scores_error_names_model_and_file(tiny):
         methods.create("headkv", budget=40, window=W).validate(N, cfg)
     msg = str(e.value)
     assert headkv.describe(cfg) in msg and str(headkv.SCORES_DIR) in msg
-    assert "scripts/headkv_scores.py" in msg and "head_scores=" in msg
+    assert "python -m kvjax.headkv_scores" in msg and "head_scores=" in msg
     with pytest.raises(FileNotFoundError, match="no-such-model.json"):
         methods.create("critical_headkv", budget=40, window=W,
                        head_scores="no-such-model").validate(N, cfg)
@@ -254,7 +254,7 @@ def test_bundled_scores_match_bundled_weights():
     want = checkpoint.weights_sha256(kvjax.api.BUNDLED_DIR / "tiny-retrieval")
     assert data["weights_sha256"] == want, (
         "kvjax/assets/head_scores/tiny-retrieval.json was computed for other weights than the "
-        "bundled model's: run `python scripts/headkv_scores.py --model tiny-retrieval`")
+        "bundled model's: run `python -m kvjax.headkv_scores --model tiny-retrieval`")
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """HeadKV (Fu et al., ICLR 2025, "Not all heads matter: a head-level KV cache compression
 method with integrated retrieval and reasoning", arXiv 2410.19258): offline head scores and
 the per-head budgets they give. The method is `kvjax.methods.critical.headkv`; the scores come from
-`scripts/headkv_scores.py` and live in `kvjax/assets/head_scores/<model>.json`.
+`python -m kvjax.headkv_scores` and live in `kvjax/assets/head_scores/<model>.json`.
 
 Head scores (paper Sec. 3.1, "head-level importance score estimation"; authors' code
 `retrieval_head_detection_r2.py::retrieval_calculate`). Needle-in-a-haystack prompts; while
@@ -43,7 +43,7 @@ from kvjax.config import ModelConfig
 
 SCORES_DIR = Path(__file__).resolve().parents[2] / "assets" / "head_scores"
 SCORE_KINDS = ("reason", "copy")
-SCRIPT = "python scripts/headkv_scores.py --model <bundled name or checkpoint dir>"
+SCRIPT = "python -m kvjax.headkv_scores --model <bundled name or checkpoint dir>"
 
 
 # ---- offline scores ------------------------------------------------------------------

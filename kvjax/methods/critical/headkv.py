@@ -17,7 +17,7 @@ mean over the group for the token scores (kvjax's SnapKV family).
 a path picks one. A model without scores fails in `validate` with the expected file.
 The bundled model's file (`kvjax/assets/head_scores/tiny-retrieval.json`) was computed on
 the shipped weights (MODEL.md): recompute it whenever the model is re-exported
-(`python scripts/headkv_scores.py`; a test checks the weights hash).
+(`python -m kvjax.headkv_scores`; a test checks the weights hash).
 Budgets are static (host numpy from the file), so the cache has `max b_{l,h}` slots.
 """
 

@@ -47,10 +47,6 @@ class Plan:
         return self.num_blocks * self.block
 
     @property
-    def stage_blocks(self) -> tuple[int, ...]:
-        return (self.num_blocks, *self.blocks)
-
-    @property
     def stages(self) -> tuple[tuple[int, int], ...]:
         """Half-open layer ranges of stages 0..P: stage i runs layers p_i+1 .. p_{i+1}."""
         bounds = (-1, *self.layers, self.num_layers - 1)

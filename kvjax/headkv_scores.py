@@ -1,6 +1,6 @@
 """HeadKV head scores for any model kvjax loads (bundled name or HF checkpoint directory).
 
-    python scripts/headkv_scores.py --model tiny-retrieval          # ~20 s on 2 CPU cores
+    python -m kvjax.headkv_scores --model tiny-retrieval          # ~20 s on 2 CPU cores
 
 Recipe (HeadKV, Fu et al. ICLR 2025, Sec. 3.1; `kvjax/methods/critical/head_scores.py` has the formulas): needle
 prompts of the bundled tasks (`kvjax.tasks`: niah_single and niah_multikey, whose answer is
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -35,16 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from kvjax import tasks  # noqa: E402
-from kvjax.config import ModelConfig  # noqa: E402
-from kvjax.engine.layers import prefill_layers  # noqa: E402
-from kvjax.methods.critical import head_scores as headkv  # noqa: E402
-from kvjax.models import attention  # noqa: E402
-from kvjax.models.checkpoint import weights_sha256  # noqa: E402
-from kvjax.tasks import tokenizer as task_tok  # noqa: E402
+from kvjax import tasks
+from kvjax.config import ModelConfig
+from kvjax.engine.layers import prefill_layers
+from kvjax.methods.critical import head_scores as headkv
+from kvjax.models import attention
+from kvjax.models.checkpoint import weights_sha256
+from kvjax.tasks import tokenizer as task_tok
 
 TASKS = ("niah_single", "niah_multikey", "passkey")  # tasks whose answer sits in needle 0
 
@@ -151,7 +147,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "model": model.name,
-        "note": "HeadKV head scores (scripts/headkv_scores.py); recompute when the weights change",
+        "note": "HeadKV head scores (python -m kvjax.headkv_scores); recompute when the weights change",
         "score": args.score,
         "tasks": names,
         "contexts": contexts,
