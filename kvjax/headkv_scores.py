@@ -2,7 +2,7 @@
 
     python -m kvjax.headkv_scores --model tiny-retrieval          # ~20 s on 2 CPU cores
 
-Recipe (HeadKV, Fu et al. ICLR 2025, Sec. 3.1; `kvjax/methods/critical/head_scores.py` has the formulas): needle
+Recipe (HeadKV, Fu et al. ICLR 2025, Sec. 3.1; `kvjax/methods/baselines/head_scores.py` has the formulas): needle
 prompts of the bundled tasks (`kvjax.tasks`: niah_single and niah_multikey, whose answer is
 needle 0), the answer teacher-forced after the prompt (one forward pass; the authors decode
 greedily, which for a model that answers right is the same sequence, and teacher forcing
@@ -37,7 +37,7 @@ from jaxtyping import Array, Float, Int
 from kvjax import tasks
 from kvjax.config import ModelConfig
 from kvjax.engine.layers import prefill_layers
-from kvjax.methods.critical import head_scores as headkv
+from kvjax.methods.baselines import head_scores as headkv
 from kvjax.models import attention
 from kvjax.models.checkpoint import weights_sha256
 from kvjax.tasks import tokenizer as task_tok

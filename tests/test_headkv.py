@@ -21,7 +21,7 @@ import pytest
 
 from kvjax import engine, methods
 from kvjax.engine import layers
-from kvjax.methods.critical import head_scores as headkv
+from kvjax.methods.baselines import head_scores as headkv
 from kvjax.methods.lava.entropy import lava_scores
 from kvjax.models import checkpoint
 

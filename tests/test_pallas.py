@@ -133,7 +133,7 @@ def test_window_scores_reference_matches_layerwise_and_scoring():
 
     q, k, valid = score_case(5, 2, 4, 2, 8, 77, 16, 9, jnp.float32)
     for pooling, kernel in (("avg", 5), ("max", 7)):
-        lw = layerwise.window_scores(q, k, valid, 8, kernel, pooling)  # [B, K, G, P], sum
+        lw = layerwise.head_window_scores(q, k, valid, 8, kernel, pooling)  # [B, K, G, P], sum
         for gqa, red in (("sum", jnp.sum), ("mean", jnp.mean)):
             ours = pallas.window_scores(q, k, valid, window=8, kernel=kernel, pooling=pooling,
                                         gqa=gqa, reduce="sum", implementation="xla")

@@ -195,9 +195,9 @@ def test_last_token_attention():
 
 def test_value_norms():
     q, k, v, valid, pos = _inputs(5)
-    np.testing.assert_allclose(np.asarray(scoring.value_norms(jnp.asarray(v))),
+    np.testing.assert_allclose(np.asarray(scoring.v_norms(jnp.asarray(v))),
                                np.abs(v).sum(-1), rtol=RTOL)
-    np.testing.assert_allclose(np.asarray(scoring.value_norms(jnp.asarray(v), 2)),
+    np.testing.assert_allclose(np.asarray(scoring.v_norms(jnp.asarray(v), 2)),
                                np.linalg.norm(v, axis=-1), rtol=RTOL)
     m = np.asarray(scoring.max_value_norm(jnp.asarray(v), jnp.asarray(valid)))
     np.testing.assert_allclose(m[1], np.abs(v[1, :, 5:]).sum(-1).max(-1), rtol=RTOL)

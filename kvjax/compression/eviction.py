@@ -151,7 +151,7 @@ class PrefillEviction(Method):
             return io.kv, None, state
         s = self.scores(io)
         idx, live = choose(io, s, self.head_budgets(io, s, state), self.cache_slots(T, io.cfg))
-        return selection.compact(io.kv, idx, live, io.kernels.compact), None, state
+        return selection.gather_kept(io.kv, idx, live, io.kernels.compact), None, state
 
     def next_position(self, kv: LayerKV, pos_BT, valid_BT):
         # positions are never renumbered, and the last prompt token may be evicted

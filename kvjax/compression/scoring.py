@@ -213,7 +213,7 @@ def observed_attention(
     return acc / count[:, None, None, :]
 
 
-def value_norms(v_BKTD: Float[Array, "B K T D"], ord: int = 1) -> Float[Array, "B K T"]:
+def v_norms(v_BKTD: Float[Array, "B K T D"], ord: int = 1) -> Float[Array, "B K T"]:
     """||v||_ord of every value row (VATP/LAVa weight scores with it), in float32."""
     v = v_BKTD.astype(jnp.float32)
     if ord == 1:
@@ -226,4 +226,4 @@ def value_norms(v_BKTD: Float[Array, "B K T D"], ord: int = 1) -> Float[Array, "
 def max_value_norm(v_BKTD: Float[Array, "B K T D"], valid_BT: Bool[Array, "B T"],
                    ord: int = 1) -> Float[Array, "B K"]:
     """LAVa's per-head factor max_k ||V[k]||_ord over the live rows."""
-    return jnp.max(jnp.where(valid_BT[:, None, :], value_norms(v_BKTD, ord), 0.0), axis=-1)
+    return jnp.max(jnp.where(valid_BT[:, None, :], v_norms(v_BKTD, ord), 0.0), axis=-1)

@@ -46,7 +46,7 @@ def slots_from_mask(keep_BKn: Bool[Array, "B K n"], S: int
     return idx, live
 
 
-def compact(kv: LayerKV, idx_BKS: Int[Array, "B K S"], live_BKS: Bool[Array, "B K S"],
+def gather_kept(kv: LayerKV, idx_BKS: Int[Array, "B K S"], live_BKS: Bool[Array, "B K S"],
             implementation: str | None = None) -> LayerKV:
     """One layer's (k, v, pos, valid) [B, K, n, ...] gathered into S slots by the `compact`
     op (its backend chosen there; dead slots zeros); `valid` = live & was valid. `live` is

@@ -22,7 +22,7 @@ from kvjax.models import attention
 from kvjax.pallas.dispatch import Kernels
 
 
-def window_scores(
+def head_window_scores(
     q_BTHD: Float[Array, "B T H D"],
     k_BKTD: Float[Array, "B K T D"],
     valid_BT: Bool[Array, "B T"],
@@ -139,11 +139,11 @@ class LayerwiseSelection(Method):
 
     def token_scores(self, q, k, valid, kernels: Kernels) -> Float[Array, "B K P"]:
         """Per-KV-head token scores over the prefix (group-reduced)."""
-        if not self.last_query_raw:  # the kernel op (`window_scores` above is its twin)
+        if not self.last_query_raw:  # the kernel op (`head_window_scores` above is its twin)
             return pallas.window_scores(q, k, valid, window=self.window, kernel=self.kernel,
                                         pooling=self.pooling, gqa=self.gqa, reduce="sum",
                                         implementation=kernels.window_scores)
-        s = window_scores(q, k, valid, 1, self.kernel, self.pooling, softmax=False)
+        s = head_window_scores(q, k, valid, 1, self.kernel, self.pooling, softmax=False)
         return jnp.sum(s, axis=2) if self.gqa == "sum" else jnp.mean(s, axis=2)
 
     def init_exit(self, cfg: ModelConfig, P: int) -> Any:

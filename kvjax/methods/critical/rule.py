@@ -36,10 +36,10 @@ from kvjax.compression.layer import LayerIO
 from kvjax.compression.method import Method
 from kvjax.config import ModelConfig
 from kvjax.methods.critical import projected_norms
-from kvjax.methods.critical.headkv import HeadKV
+from kvjax.methods.baselines.headkv import HeadKV
 from kvjax.methods.lava.cascade import Cascading
 from kvjax.methods.registry import register_wrapped
-from kvjax.methods.snapkv_family.snapkv import SnapKV
+from kvjax.methods.baselines.snapkv import SnapKV
 
 # registered names of the wrapped bases (the records' method names)
 NAMES = {"snapkv": "critical_snapkv", "pyramidkv": "critical_pyramidkv",

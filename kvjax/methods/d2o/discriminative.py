@@ -331,7 +331,7 @@ class D2O(DecodeEviction):
             gone = valid & ~keep
             # gather first, then merge every prompt entry against the S kept slots:
             # [B, K, T, S] similarities, not [B, K, T, T]
-            g = selection.compact(LayerKV(k, v, pos, valid), idx, live)
+            g = selection.gather_kept(LayerKV(k, v, pos, valid), idx, live)
             near = nearest(g.k, g.valid, k)
             tau = self.threshold(gone, near[1], jnp.full(tau_shape[1:], tau_init, jnp.float32),
                                  True)

@@ -149,7 +149,7 @@ class RoCo(DecodeEviction):
                        jnp.where(io.valid, mean, -jnp.inf))
         idx, live = self.choose(io, sc, self.head_budgets(io, sc, state),
                                 self.cache_slots(T, io.cfg))
-        kv = selection.compact(io.kv, idx, live, io.kernels.compact)
+        kv = selection.gather_kept(io.kv, idx, live, io.kernels.compact)
         take = lambda x: jnp.where(kv.valid, jnp.take_along_axis(x, idx, axis=-1), 0.0)  # noqa: E731
         return kv, {"s": take(s), "s2": take(s2), "c": take(c)}, state
 

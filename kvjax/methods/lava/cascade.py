@@ -387,7 +387,7 @@ class Cascading(PrefillEviction):
         keep_ext = self._with_window(st["keep"], T)  # [L, B, K, T]
         keep_l = io.at_layer(keep_ext) & io.valid
         idx, live = selection.slots_from_mask(keep_l, S)
-        new = selection.compact(io.kv, idx, live, io.kernels.compact)
+        new = selection.gather_kept(io.kv, idx, live, io.kernels.compact)
         buf = st["buf"]
         buf = LayerKV(io.set_layer(buf.k, new.k.astype(buf.k.dtype)),
                       io.set_layer(buf.v, new.v.astype(buf.v.dtype)),
@@ -433,7 +433,7 @@ class Cascading(PrefillEviction):
         if choose is None and self.cascade:
             buf = st["buf"]
             idx, live = selection.slots_from_mask(r(buf.valid), S)
-            out = selection.compact(jax.tree.map(r, buf), idx, live)
+            out = selection.gather_kept(jax.tree.map(r, buf), idx, live)
             out = LayerKV(out.k.astype(kv.k.dtype), out.v.astype(kv.v.dtype), out.pos, out.valid)
         else:
             keep = self.final_keep(st, kv.valid)
@@ -445,7 +445,7 @@ class Cascading(PrefillEviction):
                               -jnp.inf)
                 count = jnp.sum(keep, axis=-1, dtype=jnp.int32)
                 idx, live = choose(None, r(s), HeadBudgets(r(count)), S)
-            out = selection.compact(jax.tree.map(r, kv), idx, live)
+            out = selection.gather_kept(jax.tree.map(r, kv), idx, live)
         out = jax.tree.map(lambda x: x.reshape((L, B) + x.shape[1:]), out)
         per_entry = 2 * kv.k.shape[-1] * kv.k.dtype.itemsize
         live_LBK = jnp.sum(out.valid, axis=-1, dtype=jnp.int32)

@@ -73,7 +73,7 @@ class H2O(DecodeEviction):
         acc = self.acc_scores(io)
         s = force(acc, tail_mask(io.valid_BT, self.recent), io.valid_BT)
         idx, live = self.choose(io, s, self.head_budgets(io, s, state), self.cache_slots(T, io.cfg))
-        kv = selection.compact(io.kv, idx, live, io.kernels.compact)
+        kv = selection.gather_kept(io.kv, idx, live, io.kernels.compact)
         return kv, jnp.where(kv.valid, jnp.take_along_axis(acc, idx, axis=-1), 0.0), state
 
     def finalize(self, kv, acc, state):

@@ -1,6 +1,6 @@
 """HeadKV (Fu et al., ICLR 2025, "Not all heads matter: a head-level KV cache compression
 method with integrated retrieval and reasoning", arXiv 2410.19258): offline head scores and
-the per-head budgets they give. The method is `kvjax.methods.critical.headkv`; the scores come from
+the per-head budgets they give. The method is `kvjax.methods.baselines.headkv`; the scores come from
 `python -m kvjax.headkv_scores` and live in `kvjax/assets/head_scores/<model>.json`.
 
 Head scores (paper Sec. 3.1, "head-level importance score estimation"; authors' code

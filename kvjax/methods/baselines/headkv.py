@@ -1,7 +1,7 @@
 """HeadKV (Fu et al., ICLR 2025, arXiv 2410.19258): static per-head budgets from offline
 retrieval-reasoning head scores, SnapKV selection inside each head.
 
-Budgets: `kvjax.methods.critical.head_scores.budget_table` (paper Sec. 3.2; authors' `ReasonSnapKVCluster`):
+Budgets: `kvjax.methods.baselines.head_scores.budget_table` (paper Sec. 3.2; authors' `ReasonSnapKVCluster`):
 `b_{l,h} = round(p_{l,h} * (base // beta) * L * K + base - base // beta) + window`, p the
 normalised head scores of `kvjax/assets/head_scores/<model>.json` (summed over each KV
 head's query heads), `base = budget - window`. The total over heads is `L * K * budget` up
@@ -32,7 +32,7 @@ import numpy as np
 from kvjax.compression.eviction import HeadBudgets, WindowScored, real_length
 from kvjax.compression.layer import LayerIO
 from kvjax.config import ModelConfig
-from kvjax.methods.critical import head_scores
+from kvjax.methods.baselines import head_scores
 from kvjax.methods.registry import register
 
 

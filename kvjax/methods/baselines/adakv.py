@@ -38,7 +38,7 @@ from kvjax.compression.eviction import HeadBudgets, WindowScored, real_length
 from kvjax.compression.layer import LayerIO
 from kvjax.config import ModelConfig
 from kvjax.methods.registry import register
-from kvjax.methods.snapkv_family.pyramidkv import PyramidSchedule, _table
+from kvjax.methods.baselines.pyramidkv import PyramidSchedule, _table
 
 SAFEGUARDS = ("kvpress", "code")
 
