@@ -450,6 +450,16 @@ RULES = (
     "[pooling](pooling.md)).")
 
 
+def _effect(r: dict) -> str:
+    """a - b in the row's unit: accuracy points, or (lower better) the NLL a token or the
+    summed output perturbation, whose registry units are negated."""
+    if r.get("metric") == "nll":
+        return f"NLL {r['b_acc'] - r['a_acc']:+.2f}"
+    if r.get("metric") == "perturbation":
+        return f"perturbation x{r['a_acc'] / r['b_acc']:.2f}"
+    return f"{100 * (r['a_acc'] - r['b_acc']):+.0f}"
+
+
 def verdict_screen(results: Path) -> list[str]:
     """The first screen: the rules, then one row per claim of claims.jsonl (the
     uninformative ones counted per paper)."""
@@ -462,14 +472,14 @@ def verdict_screen(results: Path) -> list[str]:
                    key=lambda r: (r["paper"], r["model"], order[r["verdict"]], r["context"],
                                   r["id"]))
     lines = ["| paper | claim | model | task, context | a vs b (budget) | verdict | effect "
-             "a - b, points | a wins : b wins | p_holm | page |", "|---" * 10 + "|"]
+             "a - b (points, or as named) | a wins : b wins | p_holm | page |", "|---" * 10 + "|"]
     for r in shown:
         rel = ">" if r["kind"] == "better" else ">= full -5"
         lines.append(
             f"| {r['paper']} | {r['claim']} | {r['model']} | {r['task']}, {r['context']}"
             f"{' (context-only)' if r['scenario'] == 'context_only' else ''} | {r['a']} {rel} "
-            f"{r['b']} ({r['budget']}) | **{r['verdict']}** | "
-            f"{100 * (r['a_acc'] - r['b_acc']):+.0f} | {r['a_wins']} : {r['b_wins']} | "
+            f"{r['b']} ({r['budget']}) | **{r['verdict']}** | {_effect(r)} | "
+            f"{r['a_wins']} : {r['b_wins']} | "
             f"{r['p_holm']:.2g} | {_link(Path(r['page']).name)} |")
     floor: dict[str, int] = defaultdict(int)
     for r in rows:
