@@ -136,9 +136,11 @@ def _main(argv: list[str]) -> int:
     _check_resume(out, args, settings)
     jobs = plan(args, model, bases, specs)
     if args.resume:  # a .jsonl keeps no command of its own: its records must be this one's
-        mine = {job_key(j, settings) for j in jobs}
-        stray = [r["job"] for r in out.records
-                 if "job" in r and json.dumps(r["job"], sort_keys=True, default=list) not in mine]
+        # cells (a benchmark file edited since is the same cell: its new sha256 re-runs it)
+        cell = lambda j: tuple(json.dumps(j.get(k), default=list) for k in _CELL)  # noqa: E731
+        mine = {cell({"method": j.method, "budget": j.budget, "ratio": j.ratio, "task": j.task,
+                      "context": j.context}) for j in jobs}
+        stray = [r["job"] for r in out.records if "job" in r and cell(r["job"]) not in mine]
         if stray:
             s = stray[0]
             raise UsageError(
@@ -153,6 +155,9 @@ def _main(argv: list[str]) -> int:
         print(f"resume: {len(jobs) - len(todo)} of {len(jobs)} records already in "
               f"{args.output}", file=sys.stderr)
     return _run(model, todo, args, settings, out)
+
+
+_CELL = ("method", "budget", "ratio", "task", "context")  # what a sweep's product names
 
 
 def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:

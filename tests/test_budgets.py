@@ -221,5 +221,6 @@ def test_float_budgets_only_where_a_method_keeps_one():
 
     assert methods.create("pyramidkv").with_ratio(0.875, 1000).budget == 125.0
     assert methods.create("sliminfer").budget is None  # its schedule sets the budget
-    with pytest.raises(ValueError, match="pyramidkv: budget=0.5: expected a number >= 1"):
-        methods.create("pyramidkv", budget=0.5)
+    assert methods.create("pyramidkv").with_ratio(0.97, 16).budget == pytest.approx(0.48)
+    with pytest.raises(ValueError, match="pyramidkv: budget=0: expected a number > 0"):
+        methods.create("pyramidkv", budget=0)

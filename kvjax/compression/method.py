@@ -51,8 +51,10 @@ def check_budget(method) -> None:
     if b is None and fields["budget"].default is None:
         return
     kinds = (numbers.Real,) if method.float_budget else (numbers.Integral,)
-    if isinstance(b, bool) or not isinstance(b, kinds) or not b >= 1:
-        want = "a number >= 1" if method.float_budget else "an integer >= 1"
+    # a float mean may lie below 1 (kvpress's n (1 - r) on a short prompt); a count may not
+    if isinstance(b, bool) or not isinstance(b, kinds) or not (
+            b > 0 if method.float_budget else b >= 1):
+        want = "a number > 0" if method.float_budget else "an integer >= 1"
         raise ValueError(f"{method.name}: budget={b!r}: expected {want} (KV entries kept per "
                          "layer and KV head)")
 
