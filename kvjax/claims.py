@@ -21,6 +21,8 @@ from statistics import NormalDist
 
 import numpy as np
 
+from kvjax.report import wilson
+
 VERDICTS = ("holds", "does not hold", "cannot tell", "uninformative")
 KINDS = ("better", "no worse")  # "a beats b"; "a loses at most `margin` against b"
 ALPHA = 0.05
@@ -29,7 +31,8 @@ MARGIN = 0.05  # "no worse": 5 points unless the paper states its own
 
 
 def discordant(a: list[float], b: list[float]) -> tuple[int, int]:
-    """(samples a gets right and b wrong, the reverse) of two binary score lists."""
+    """(samples where a scores above b, the reverse): for binary scores, the samples a
+    gets right and b wrong, and the reverse."""
     _same_length(a, b)
     return (sum(1 for x, y in zip(a, b) if x > y), sum(1 for x, y in zip(a, b) if y > x))
 
@@ -54,14 +57,6 @@ def holm(ps: list[float]) -> list[float]:
     return out
 
 
-def _wilson(k: int, n: int, z: float) -> tuple[float, float]:
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, c - h), min(1.0, c + h)
-
-
 def newcombe(a: list[float], b: list[float], level: float = 0.95) -> tuple[float, float]:
     """Paired interval of accuracy(a) - accuracy(b) for binary scores (Newcombe's method
     10, "square and add": the two marginal Wilson intervals, combined with the pairs' phi
@@ -73,8 +68,8 @@ def newcombe(a: list[float], b: list[float], level: float = 0.95) -> tuple[float
     neither = n - both - a_only - b_only
     z = NormalDist().inv_cdf(0.5 + level / 2)
     p1, p2 = (both + a_only) / n, (both + b_only) / n
-    l1, u1 = _wilson(both + a_only, n, z)
-    l2, u2 = _wilson(both + b_only, n, z)
+    l1, u1 = wilson(both + a_only, n, z)
+    l2, u2 = wilson(both + b_only, n, z)
     # phi, the correlation of the two marginal proportions, with Newcombe's correction
     # toward 0 by n/2 where it is positive (and 0 where ad - bc lies in [0, n/2])
     margins = (both + a_only) * (b_only + neither) * (both + b_only) * (a_only + neither)
@@ -120,8 +115,7 @@ def compare(a: list[float], b: list[float], binary: bool) -> dict:
     """The paired statistics of one comparison: accuracies, wins, p and the 95% interval
     of a - b (McNemar and Newcombe for binary scores, sign-flip and bootstrap otherwise)."""
     _same_length(a, b)
-    a_wins, b_wins = (discordant(a, b) if binary else
-                      (sum(x > y for x, y in zip(a, b)), sum(y > x for x, y in zip(a, b))))
+    a_wins, b_wins = discordant(a, b)
     lo, hi = newcombe(a, b) if binary else bootstrap(a, b)
     return {"n": len(a), "a_acc": sum(a) / len(a), "b_acc": sum(b) / len(b),
             "a_wins": int(a_wins), "b_wins": int(b_wins),

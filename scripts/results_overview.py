@@ -306,7 +306,8 @@ def _panels(recs: list[dict], tasks: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def plot_group(recs: list[dict], tasks: list[str], path: Path, title: str) -> Path | None:
+def plot_group(recs: list[dict], tasks: list[str], path: Path, title: str,
+               binary: dict | None = None) -> Path | None:
     """Accuracy (%) against live KV fraction with 95% Wilson intervals (tasks scored 0 or 1
     a sample): panels of at most PANEL_SERIES methods, one task each, the methods of a
     family together and in the family's colour; `full` a horizontal line labelled with its
@@ -334,7 +335,7 @@ def plot_group(recs: list[dict], tasks: list[str], path: Path, title: str) -> Pa
     fig, axes = plt.subplots(nrow, ncol, figsize=(8.2 * ncol, 3.3 * nrow), squeeze=False)
     for ax, (task, labels) in zip(axes.flat, panels):
         here = [r for r in recs if r["task"] == task]
-        binary = binary_task(task)
+        scored01 = binary[task] if binary and task in binary else binary_task(task)
         fulls = [r for r in here if r["method"] == "full"]
         if fulls:  # one reference line: the full cache measured on the most samples
             r = max(fulls, key=lambda r: r["samples"])
@@ -347,7 +348,7 @@ def plot_group(recs: list[dict], tasks: list[str], path: Path, title: str) -> Pa
                 continue
             x = [p[0] for p in pts]
             y = [100 * p[1] for p in pts]
-            if binary:
+            if scored01:
                 ci = [report.wilson(a * n, n) for _, a, n in pts]
                 err = [[yy - 100 * lo for yy, (lo, _) in zip(y, ci)],
                        [100 * hi - yy for yy, (_, hi) in zip(y, ci)]]
@@ -362,7 +363,7 @@ def plot_group(recs: list[dict], tasks: list[str], path: Path, title: str) -> Pa
                        for f in (family(method[lab]) for lab in labels)})
         ax.set_title(f"{task}: {', '.join(fams) or 'full cache'}", fontsize=9)
         ax.set_xlabel("live KV / full cache", fontsize=8)
-        ax.set_ylabel("accuracy (%)" + ("" if binary else ", mean score"), fontsize=8)
+        ax.set_ylabel("accuracy (%)" + ("" if scored01 else ", mean score"), fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7, frameon=False)
     for ax in list(axes.flat)[len(panels):]:
@@ -624,7 +625,7 @@ def overview(results: Path, out: Path) -> str:
             stem = f"overview_{scenario}_{ctx}" + (f"_{w[1][:8]}" if many else "")
             png = plot_group(recs, tasks, out / f"{stem}.png",
                              f"{w[0]}, {name}, context {ctx}: accuracy vs live KV fraction "
-                             f"({'/'.join(map(str, samples))} samples a point)")
+                             f"({'/'.join(map(str, samples))} samples a point)", binary)
             if png is not None:
                 parts += ["", f"![{heading}]({png.name})"]
             if len({r.get("budget") for r in recs}) == 1:  # one column a task: one table
