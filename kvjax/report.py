@@ -188,7 +188,7 @@ def results_parser(doc: str | None, out: Path, samples: int = 50) -> argparse.Ar
     return p
 
 
-def _weights(r: dict) -> tuple:
+def record_weights(r: dict) -> tuple:
     """(sha256, trained_steps) of a record; (None, None) for records older than the field."""
     w = r.get("model_weights") or {}
     return w.get("sha256"), w.get("trained_steps")
@@ -197,7 +197,7 @@ def _weights(r: dict) -> tuple:
 def model_line(records: Iterable[dict]) -> str:
     """The weights a set of records was measured on, for a results document's header;
     records of different weights in one document are refused."""
-    seen = {(r["model"], *_weights(r)) for r in records}
+    seen = {(r["model"], *record_weights(r)) for r in records}
     if len(seen) != 1:
         raise ValueError(f"records of {len(seen)} different models or weights {sorted(seen, key=str)}: "
                          "re-measure them on one")
@@ -226,7 +226,7 @@ def run_once(path: Path, args: list[str], cwd: Path) -> Path:
 
     resume = []
     if path.exists():
-        got = {_weights(r)[0] for r in load_records(path)}
+        got = {record_weights(r)[0] for r in load_records(path)}
         want = _weights_of(args)
         if got - {want}:
             raise ValueError(f"{path} holds records of weights {sorted(got, key=str)}, not of "

@@ -107,7 +107,7 @@ def perturbation_records(a) -> None:
     import dataclasses
 
     from kvjax.models.checkpoint import provenance
-    from kvjax.run_args import overrides
+    from kvjax.cli.args import overrides
 
     model = load(a.model)
     samples = tasks.generate(a.perturb_task, a.context, n=a.perturb_samples, seed=a.seed)

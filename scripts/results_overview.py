@@ -140,8 +140,7 @@ def label_variants(records: list[dict]) -> None:
 
 
 def _weights(r: dict) -> tuple:
-    w = r.get("model_weights") or {}
-    return r.get("model"), w.get("sha256"), w.get("trained_steps")
+    return r.get("model"), *report.record_weights(r)
 
 
 def _budget_text(b) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvjax import report
-from kvjax import run as cli
+from kvjax.cli import main as cli
 from kvjax import tasks
 from kvjax.tasks import loaders
 

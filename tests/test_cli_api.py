@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import run as cli
-from kvjax import run_records, run_sweep
+from kvjax.cli import main as cli
+from kvjax.cli import records as run_records, sweep as run_sweep
 from kvjax.config import ModelConfig
 from kvjax.models import checkpoint
 from kvjax.train import export_model, init_params
@@ -276,8 +276,10 @@ def _sweep(model_dir, out, *extra):
 
 
 def _failing_on(monkeypatch, n: int, exc):
-    """engine.run raises `exc` on its n-th call (1-based)."""
+    """engine.run raises `exc` on its n-th call (1-based); the sweep calls it through
+    `engine.run_each`, from `kvjax.engine.driver`."""
     from kvjax import engine
+    from kvjax.engine import driver
 
     calls, run = [], engine.run
 
@@ -288,6 +290,7 @@ def _failing_on(monkeypatch, n: int, exc):
         return run(*a, **k)
 
     monkeypatch.setattr(engine, "run", flaky)
+    monkeypatch.setattr(driver, "run", flaky)
     return calls
 
 
@@ -469,13 +472,14 @@ def test_cli_resume_refuses_records_of_other_weights(model_dir, tmp_path, capsys
 
 def test_ratio_batches_follow_the_compressed_length():
     """kvpress takes n (1 - r) of each prompt: prompts of other lengths get other budgets,
-    so a batch holds one method (one budget) only."""
+    so a batch holds one method (one budget) only; batches stay inside the chunks of
+    `batch_size` samples whose prefill the sweep's methods share."""
     from kvjax import methods
 
     a, b = methods.create("snapkv").with_ratio(0.5, 100), methods.create("snapkv").with_ratio(
         0.5, 90)
     assert (a.budget, b.budget) == (50, 45)
-    assert run_sweep._batches([a, b, a, a], 2) == [(a, [0, 2]), (a, [3]), (b, [1])]
+    assert run_sweep._batches([a, b, a, a], 2) == [(a, [0]), (b, [1]), (a, [2, 3])]
 
 
 def test_merge_kernels():

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvjax import report
-from kvjax import run as cli
-from kvjax import run_args, run_sweep
+from kvjax.cli import main as cli
+from kvjax.cli import args as run_args, sweep as run_sweep
 
 from test_cli_api import model_dir  # noqa: F401 -- the tiny checkpoint fixture
 
@@ -85,8 +85,8 @@ def _expected_records(argv: list[str]) -> int:
     extra = run_args.split_pairs(a.set)
     n = 0
     for name in a.method:
-        m = run_sweep._configured(name, extra, a)
-        n += points if m.with_budget(1) != m.with_budget(2) else 1
+        m = run_sweep.configured(name, extra, a)
+        n += points if m.takes_budget() else 1
     return n * len(a.task) * len(a.context)
 
 

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvjax
-from kvjax import engine, methods, run_args, run_sweep
+from kvjax import engine, methods
+from kvjax.cli import args as run_args, sweep as run_sweep
 from kvjax.compression import budgets
 from kvjax.compression import selection as select
 from kvjax.compression.layer import LayerIO

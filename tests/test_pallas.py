@@ -495,7 +495,7 @@ def test_engine_routes_decode_to_the_op():
 
 
 def test_run_has_kernels_flag():
-    from kvjax.run_args import parse_args
+    from kvjax.cli.args import parse_args
 
     assert parse_args([]).kernels == "auto"
     assert parse_args(["--kernels", "pallas"]).kernels == "pallas"

@@ -410,7 +410,7 @@ def test_bundled_cli_and_engine(tmp_path):
     then the same prompts through engine.run (the CLI's compiled executables are reused) for
     the state: budget live at the end, RoCo's counts, CaM's merges."""
     import kvjax
-    from kvjax import run as cli
+    from kvjax.cli import main as cli
     from kvjax import tasks
 
     out = tmp_path / "r.json"

@@ -132,9 +132,9 @@ def test_a_generator_that_never_ends_is_stopped(tmp_path, cache, monkeypatch):
 
     from kvjax import api
 
-    monkeypatch.setattr(ruler, "TIMEOUT_S", 20)
-    with pytest.raises(ValueError, match=r"did not finish in 20 s at 512 tokens.*longer "
-                                         r"--context"):
+    monkeypatch.setattr(ruler, "time_limit_s", lambda context, n: 20)
+    with pytest.raises(ruler.CannotGenerate, match=r"did not finish in 20 s at 512 tokens.*"
+                                                   r"longer --context"):
         ruler.generate(api.load_tokenizer("tiny-retrieval"), "vt", 512, 1)
     time.sleep(1)
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
@@ -142,8 +142,38 @@ def test_a_generator_that_never_ends_is_stopped(tmp_path, cache, monkeypatch):
     assert not list((cache / "ruler" / f"v{ruler.VERSION}").iterdir())
 
 
+@needs_ruler
+def test_ruler13_leaves_out_a_task_its_generator_cannot_make(tmp_path, cache, monkeypatch,
+                                                            capsys):
+    """qa_2 at 2048 tokens of SmolLM2's tokenizer never ends (a question's own HotpotQA
+    documents exceed it): `ruler13` runs the others and says, at the start and at the end,
+    which it left out and why; `ruler/qa_2` named alone is an error."""
+    from kvjax import run
+
+    real = ruler.generate
+
+    def generate(tokenizer, task, context, n):
+        if task == "qa_2":
+            raise ruler.CannotGenerate(f"RULER's generator of qa_2 did not finish at {context}")
+        return real(tokenizer, task, context, n)
+
+    monkeypatch.setattr(ruler, "NAMES", ("vt", "qa_2"))
+    monkeypatch.setattr(ruler, "generate", generate)
+    out = tmp_path / "r.jsonl"
+    assert run.main(["--task", "ruler13", "--context", "1024", "--samples", "2", "--output",
+                     str(out), "--no-progress"]) == 0
+    assert [json.loads(x)["task"] for x in out.read_text().splitlines()] == ["ruler/vt"]
+    err = capsys.readouterr().err
+    assert err.count("note: ruler13 at context 1024: ruler/qa_2 left out: RULER's generator "
+                     "of qa_2 did not finish at 1024") == 2
+    assert run.main(["--task", "ruler/qa_2", "--context", "1024", "--samples", "2",
+                     "--output", str(tmp_path / "q.jsonl"), "--no-progress"]) == 2
+    assert "task ruler/qa_2 at context 1024: RULER's generator of qa_2 did not finish" in \
+        capsys.readouterr().err
+
+
 def test_ruler_task_names_and_options_are_checked(monkeypatch):
-    from kvjax.run_args import UsageError, _check_scope, check_tasks, parse_args
+    from kvjax.cli.args import UsageError, check_scope, check_tasks, parse_args
 
     monkeypatch.setattr(ruler, "check_installed", lambda: None)
     assert [s.name for s in check_tasks(["ruler13"])] == [f"ruler/{n}" for n in ruler.NAMES]
@@ -152,13 +182,13 @@ def test_ruler_task_names_and_options_are_checked(monkeypatch):
         check_tasks(["ruler/vt2"])
     args = parse_args(["--task", "ruler/cwe", "--seed", "3"])
     with pytest.raises(UsageError, match=r"--seed 3: RULER's prepare.py fixes"):
-        _check_scope(args, check_tasks(args.task))
+        check_scope(args, check_tasks(args.task))
     args = parse_args(["--task", "ruler/cwe", "--context", "2048"])
-    _check_scope(args, check_tasks(args.task))  # --context applies
+    check_scope(args, check_tasks(args.task))  # --context applies
 
 
 def test_missing_packages_give_the_install_line(monkeypatch):
-    from kvjax.run_args import UsageError, check_tasks
+    from kvjax.cli.args import UsageError, check_tasks
 
     def missing(name):
         raise md.PackageNotFoundError(name)

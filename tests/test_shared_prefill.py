@@ -10,7 +10,7 @@ import pytest
 
 import kvjax
 from kvjax import engine, methods
-from kvjax import run as cli
+from kvjax.cli import main as cli
 from kvjax.engine import shared
 
 SHARING = [n for n in methods.names() if shared.shares(methods.create(n))]
@@ -30,7 +30,7 @@ def setup():
 
 def _at_budget(name):
     m = methods.create(name)
-    return m.with_budget(64) if m.with_budget(1) != m.with_budget(2) else m
+    return m.with_budget(64) if m.takes_budget() else m
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow)
@@ -76,12 +76,15 @@ def test_a_prefill_is_refused_for_other_prompts_or_methods(setup):
 
 def test_run_methods_equals_each_run(setup):
     model, prompts, _ = setup
-    ms = [_at_budget("snapkv"), methods.create("gemfilter", select_k=64)]
+    ms = [_at_budget("snapkv"), methods.create("gemfilter", select_k=64), _at_budget("h2o")]
     gens = engine.run_methods(model.params, model.cfg, prompts, ms, max_new_tokens=4)
     for m, g in zip(ms, gens):
         assert g.tokens == engine.run(model.params, model.cfg, prompts, m,
                                       max_new_tokens=4).tokens
-    assert gens[0].stats["ttft_own_s"] is not None and gens[1].stats["ttft_own_s"] is None
+    # two methods compress after the full prefill: it runs once, for both
+    assert [g.stats["ttft_own_s"] is not None for g in gens] == [True, False, True]
+    one = engine.run_methods(model.params, model.cfg, prompts, ms[:2], max_new_tokens=1)
+    assert [g.stats["ttft_own_s"] for g in one] == [None, None]  # one alone: its own
 
 
 def test_a_shared_sweep_writes_the_records_of_separate_runs(tmp_path):
@@ -99,6 +102,54 @@ def test_a_shared_sweep_writes_the_records_of_separate_runs(tmp_path):
         assert b["prefill"] == "own" and b["ttft_own_s"] is None
         assert a["prefill"] == ("own" if a["method"] == "gemfilter" else "shared")
         assert (a["ttft_own_s"] is None) == (a["method"] == "gemfilter")
+
+
+def test_a_prefill_s_rows_replay_as_their_own_prefill(setup):
+    """`Prefilled.take`: rows of a recorded batch (the shorter one's padding cut from 320
+    to 224 columns) give what those prompts' own prefill gives."""
+    model, _, _ = setup
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(5, model.cfg.vocab_size, n).tolist() for n in (300, 200, 290)]
+    pre = shared.prefill(model.params, model.cfg, prompts)
+    m = _at_budget("snapkv")
+    for rows in ([1], [0, 2], [2, 1]):
+        part = pre.take(rows)
+        mine = [prompts[r] for r in rows]
+        own = engine.run(model.params, model.cfg, mine, m, max_new_tokens=6)
+        rep = engine.run(model.params, model.cfg, mine, m, max_new_tokens=6, prefilled=part)
+        assert rep.tokens == own.tokens, rows
+        for f in ("pos", "valid", "end"):
+            np.testing.assert_array_equal(np.asarray(getattr(rep.cache, f)),
+                                          np.asarray(getattr(own.cache, f)), err_msg=f)
+    assert pre.take([1]).tokens.shape == (1, 224)
+
+
+def test_a_ratio_sweep_shares_the_prefill(tmp_path):
+    """`--ratio`: each prompt its own budget, so a chunk's samples split into batches by
+    budget; they replay the chunk's one prefill, and write what separate runs write."""
+    from kvjax import tasks
+
+    model = kvjax.load("tiny-retrieval")
+    f = tmp_path / "passkey" / "validation.jsonl"
+    f.parent.mkdir()
+    lines = []
+    for i, n in enumerate((256, 200, 160, 240)):  # four lengths: four budgets at ratio 0.5
+        (smp,) = tasks.fit("passkey", n, lambda s: len(model.encode(s.prompt)), n=1, seed=i)
+        lines.append(json.dumps({"index": i, "input": smp.prompt, "outputs": list(smp.answer),
+                                 "length": n}))
+    f.write_text("\n".join(lines) + "\n")
+    argv = ["--model", "tiny-retrieval", "--method", "full,snapkv", "--ratio", "0.5",
+            "--task", f"ruler:{f}", "--batch-size", "2", "--details", "--no-progress"]
+    assert cli.main([*argv, "--output", str(tmp_path / "s.jsonl")]) == 0
+    assert cli.main([*argv, "--no-share-prefill", "--output", str(tmp_path / "o.jsonl")]) == 0
+    read = lambda p: [json.loads(x) for x in p.read_text().splitlines()]  # noqa: E731
+    s, o = read(tmp_path / "s.jsonl"), read(tmp_path / "o.jsonl")
+    assert [r["method"] for r in s] == ["full", "snapkv"]
+    assert len(set(s[1]["budget"])) == 4
+    for a, b in zip(s, o):
+        assert (a["prefill"], b["prefill"]) == ("shared", "own")
+        assert [d["prediction"] for d in a["details"]] == [d["prediction"] for d in b["details"]]
+        assert a["kv_bytes_live"] == b["kv_bytes_live"]
 
 
 def test_generate_each_equals_generate():

@@ -88,7 +88,7 @@ def rows(model, names: list[str], n: int, budget: int, overrides: dict,
 
 def main(argv=None) -> int:
     from kvjax.bench.prefill import model_for
-    from kvjax.run_args import overrides
+    from kvjax.cli.args import overrides
 
     p = argparse.ArgumentParser(prog="python -m kvjax.bench.cascade_memory", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -49,7 +49,7 @@ def model_for(name: str, max_context: int):
 
 def main(argv=None) -> int:
     from kvjax import engine, methods, tasks
-    from kvjax.run_args import overrides
+    from kvjax.cli.args import overrides
 
     p = argparse.ArgumentParser(prog="python -m kvjax.bench.prefill", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

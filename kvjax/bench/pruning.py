@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from kvjax import methods, tasks
     from kvjax.bench.decode import kvjax_run, load_model
     from kvjax.methods.slim.blocks import prefill_flop_ratio
-    from kvjax.run_args import overrides
+    from kvjax.cli.args import overrides
 
     p = argparse.ArgumentParser(prog="python -m kvjax.bench.pruning", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

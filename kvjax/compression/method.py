@@ -11,9 +11,10 @@ Prefill. `prefill_kind` picks one of the engine's prefill loops:
                      layer's attention `after_layer_prefill` decides what the layer keeps,
                      and `finalize` allocates across layers at the end;
   "token_selection"  tokens are selected once at some layer and deeper layers run on them
-                     (ASL, FastKV, GemFilter; hooks in `kvjax.methods.asl.layerwise`);
-  "block_pruning"    blocks of hidden states are pruned at fixed stages (SlimInfer, LazyLLM;
-                     hooks in `kvjax.methods.slim.sliminfer`).
+                     (ASL, FastKV, GemFilter): the `protocols.TokenSelection` hooks;
+  "block_pruning"    blocks of hidden states are pruned at fixed stages (SlimInfer,
+                     LazyLLM): the `protocols.BlockPruning` hooks.
+A method of those kinds that lacks a hook of its protocol is refused when it is made.
 
 Decoding. The engine writes each new token into `decode_slots` (default: append), runs
 every layer, and calls `decode_layer` after each layer's attention when
@@ -34,6 +35,7 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 
 from kvjax.compression.cache import KVCache, LayerKV
+from kvjax.compression import protocols
 from kvjax.compression.layer import LayerIO
 from kvjax.config import ModelConfig
 
@@ -72,6 +74,7 @@ class Method:
 
     def __post_init__(self):
         check_budget(self)
+        protocols.check_interface(self)
 
     # ---- before tracing ---------------------------------------------------------------
 
@@ -85,18 +88,24 @@ class Method:
             return dataclasses.replace(self, budget=budget)
         return self
 
+    def takes_budget(self) -> bool:
+        """Whether `with_budget` changes this method (`--budget` sweeps it; `full` has none)."""
+        return "budget" in {f.name for f in dataclasses.fields(self)}
+
+    def budget_for(self, n: int) -> int | float | None:
+        """The budget this method keeps per (layer, KV head) on an n-token compressed prompt,
+        as a record reports it; None where it has none."""
+        return getattr(self, "budget", None)
+
     def with_ratio(self, ratio: float, n: int) -> "Method":
         """This method at kvpress's compression ratio (`--ratio`) on an n-token compressed
         prompt: the fraction `ratio` of it removed, so `int(n (1 - ratio))` kept (at least
         1: kvpress `compute_n_kept`). `n` is what the method compresses -- the whole prompt
         question-aware, the context alone context-only -- so a ratio means the same in both
-        scenarios. A wrapper (a `base` field) passes it to its base; a method whose
-        arithmetic keeps the float (PyramidKV's schedule) overrides this."""
+        scenarios. A wrapper (`kvjax.compression.wrapper`) passes it to its base; a method
+        whose arithmetic keeps the float (PyramidKV's schedule) overrides this."""
         if not 0 <= ratio < 1:
             raise ValueError(f"ratio={ratio} must be in [0, 1) (the fraction removed)")
-        base = getattr(self, "base", None)
-        if isinstance(base, Method):
-            return dataclasses.replace(self, base=base.with_ratio(ratio, n))
         return self.with_budget(max(1, int(n * (1 - ratio))))
 
     def for_prompt(self, n: int) -> "Method":

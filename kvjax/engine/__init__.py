@@ -7,8 +7,9 @@
 - `steps`: the compiled programs (prefill + compression, a chunk on the cache, the
   decode loop, and the per-step form of it for methods with host work between steps);
 - `shared`: one full prefill recorded for every method that compresses after it;
-- `driver`: `run`, one generation from token ids to tokens and statistics (`run_methods`:
-  several methods on the same prompts, sharing the prefill).
+- `driver`: `run`, one generation from token ids to tokens and statistics; `run_each`,
+  several (method, rows) runs on one batch sharing its prefill (`run_methods`: several
+  methods on all of it).
 """
 
 from kvjax.engine.driver import (  # noqa: F401
@@ -18,6 +19,7 @@ from kvjax.engine.driver import (  # noqa: F401
     check_request,
     check_tokens,
     run,
+    run_each,
     run_methods,
 )
 from kvjax.engine.executables import clear_compiled, compile_once, compiled_count  # noqa: F401
@@ -34,4 +36,4 @@ from kvjax.engine.steps import (  # noqa: F401
 __all__ = ["ENGINE_STATS", "Generation", "Sampling", "bucket", "check_method",
            "check_request", "check_tokens", "clear_compiled", "compile_once", "compiled_count",
            "compress_prompt", "decode", "decode_segment", "extend", "pad_left", "positions",
-           "prefill", "run", "run_methods", "sample"]
+           "prefill", "run", "run_each", "run_methods", "sample"]

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.compression.cache import LayerKV
+from kvjax.compression.protocols import BlockPruning
 from kvjax.config import ModelConfig
 from kvjax.models import attention, transformer
 from kvjax.pallas.dispatch import Kernels
@@ -91,7 +92,7 @@ def tail_slots(pos_BS, valid_BS, w: int):
     return jnp.sort(idx, axis=1)
 
 
-def prefill(m, params, cfg: ModelConfig, tokens_BT, valid_BT, pos_BT, kernels: Kernels):
+def prefill(m: BlockPruning, params, cfg: ModelConfig, tokens_BT, valid_BT, pos_BT, kernels: Kernels):
     """-> (last hidden [B, D], per-layer kv with T' = NB * block slots, decode state or
     None, stats)."""
     B, T = tokens_BT.shape

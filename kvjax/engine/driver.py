@@ -8,6 +8,8 @@ is recorded (`kernels`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import dataclasses
 from typing import Any
 
@@ -298,19 +300,42 @@ def run(
                       state)
 
 
+def run_each(params, cfg: ModelConfig, prompts: list[list[int]], runs: list, *,
+             questions=None, max_new_tokens: int | list[int] = 32, share: bool = True,
+             kernels: Kernels = Kernels(), mesh=None, **kw) -> Iterator[Generation]:
+    """The one orchestrator of a shared prefill (the API's `generate_each`, the sweep's
+    chunks): yield each run's `Generation` in order, a run being (method, rows of
+    `prompts`). Where two or more runs' methods compress after the full prefill
+    (`kvjax.engine.shared`; not with a mesh or `share=False`), it runs once on all of
+    `prompts` and each of them replays its rows (`Prefilled.take`); the others prefill on
+    their own. The tokens are those of separate runs. `questions` (context-only) and a
+    per-prompt `max_new_tokens` are taken at each run's rows (its longest answer);
+    the other keywords as in `run`."""
+    ran = [(m.for_prompt(max(len(prompts[r]) for r in rows)), list(rows)) for m, rows in runs]
+    sharing = [shared.shares(m) for m, _ in ran]
+    pre = None
+    if share and mesh is None and kw.get("batch_sharding") is None and sum(sharing) > 1:
+        new = max(max_new_tokens) if isinstance(max_new_tokens, list) else max_new_tokens
+        check_tokens(cfg, prompts, questions, new)
+        pre = shared.prefill(params, cfg, prompts, kernels)
+    everything = list(range(len(prompts)))
+    for (m, rows), shares_it in zip(ran, sharing):
+        mine = None if pre is None or not shares_it else \
+            pre if rows == everything else pre.take(rows)
+        new = max(max_new_tokens[r] for r in rows) if isinstance(max_new_tokens, list) \
+            else max_new_tokens
+        yield run(params, cfg, [prompts[r] for r in rows], m,
+                  questions=None if questions is None else [questions[r] for r in rows],
+                  max_new_tokens=new, kernels=kernels, mesh=mesh, prefilled=mine, **kw)
+
+
 def run_methods(params, cfg: ModelConfig, prompts: list[list[int]], methods: list[Method],
                 **kw) -> list[Generation]:
-    """`run` for each method on the same prompts, the full prefill run once for every
-    method that compresses after it (`kvjax.engine.shared`); the others prefill on their
-    own. The tokens are those of separate runs. Keywords as in `run` (not `mesh`)."""
+    """`run` for each method on the same prompts (`run_each` on all the rows): the full
+    prefill runs once for the methods that compress after it. Keywords as in `run` (not
+    `mesh`)."""
     if kw.get("mesh") is not None:
         raise ValueError("run_methods: a shared prefill runs on one device; give no mesh "
                          "(or call run per method)")
-    kernels = kw.pop("kernels", Kernels())
-    ran = [m.for_prompt(max(len(p) for p in prompts)) for m in methods]
-    pre = None
-    if any(shared.shares(m) for m in ran):
-        check_tokens(cfg, prompts, kw.get("questions"), kw.get("max_new_tokens", 32))
-        pre = shared.prefill(params, cfg, prompts, kernels)
-    return [run(params, cfg, prompts, m, kernels=kernels,
-                prefilled=pre if shared.shares(m) else None, **kw) for m in ran]
+    rows = list(range(len(prompts)))
+    return list(run_each(params, cfg, prompts, [(m, rows) for m in methods], **kw))

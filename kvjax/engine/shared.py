@@ -48,6 +48,20 @@ class Prefilled:
     kernels: Kernels  # the run's kernel choices after any `auto` fallback
     used: frozenset  # {(op, implementation)} the prefill program ran
 
+    def take(self, rows: list[int]) -> Prefilled:
+        """The record of `rows` of the batch alone, as a prefill of those prompts would have
+        made it: the rows, and the padded length cut from the left to the bucket of their
+        longest prompt (left padding: what is cut is padding in every row kept). The time
+        is the whole batch's: these rows waited for all of it."""
+        lengths = self.valid[rows].sum(axis=1)
+        T = self.tokens.shape[1]
+        cut = T - bucket(int(lengths.max()))
+        r = np.asarray(rows)
+        return dataclasses.replace(
+            self, tokens=self.tokens[r, cut:], valid=self.valid[r, cut:], logits=self.logits[r],
+            q=self.q[:, r, cut:], k=self.k[:, r, :, cut:], v=self.v[:, r, :, cut:],
+            lse=None if self.lse is None else self.lse[:, r, ..., cut:])
+
     def check(self, cfg: ModelConfig, prompts) -> None:
         """Refuse a record made from other prompts than `prompts`."""
         tokens, _ = pad_left(prompts, bucket(max(len(p) for p in prompts)), cfg.pad_token_id)

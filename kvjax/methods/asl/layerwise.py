@@ -131,6 +131,10 @@ class LayerwiseSelection(Method):
 
     # ---- scoring and the exit test (ASL overrides) ------------------------------------------
 
+    def budget_for(self, n: int) -> int | None:
+        """`budget` where set, else the tokens selected (`with_budget` sets `select_k`)."""
+        return self.budget if self.budget is not None else self.for_prompt(n).select_k
+
     def token_plan(self, n: int) -> TokenPlan:
         """The plan for a padded prompt of n tokens."""
         return TokenPlan(self.select_k, self.kv_budget, 1 if self.last_query_raw else self.window,

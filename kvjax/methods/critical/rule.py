@@ -31,13 +31,14 @@ import jax.numpy as jnp
 
 from kvjax import pallas
 from kvjax.compression import selection
-from kvjax.compression.eviction import HeadBudgets, PrefillEviction
+from kvjax.compression.eviction import HeadBudgets
 from kvjax.compression.layer import LayerIO
 from kvjax.compression.method import Method
+from kvjax.compression.protocols import FinalSelection, ScoredEviction
+from kvjax.compression.wrapper import Wrapper
 from kvjax.config import ModelConfig
 from kvjax.methods.critical import projected_norms
 from kvjax.methods.baselines.headkv import HeadKV
-from kvjax.methods.lava.cascade import Cascading
 from kvjax.methods.registry import register_wrapped
 from kvjax.methods.baselines.snapkv import SnapKV
 
@@ -47,8 +48,9 @@ NAMES = {"snapkv": "critical_snapkv", "pyramidkv": "critical_pyramidkv",
 
 
 @dataclasses.dataclass(frozen=True)
-class Critical(Method):
-    """CriticalKV's two-stage selection at the base method's per-head budgets."""
+class Critical(Wrapper):
+    """CriticalKV's two-stage selection at the base method's per-head budgets; every other
+    hook is the base's (`Wrapper`)."""
 
     base: Method = SnapKV()
     first_stage_ratio: float = projected_norms.ALPHA
@@ -62,7 +64,8 @@ class Critical(Method):
         return NAMES.get(self.base.name, f"critical({self.base.name})")
 
     def validate(self, n: int, cfg: ModelConfig) -> None:
-        if not isinstance(self.base, PrefillEviction) or self.base.uses_decode_layer():
+        if not isinstance(self.base, (ScoredEviction, FinalSelection)) or \
+                self.base.uses_decode_layer():
             raise ValueError(f"critical: base={self.base.name!r} does not select per head by "
                              "scores at prefill; allowed: the SnapKV family, HeadKV, LAVa, CAKE")
         self.base.validate(n, cfg)
@@ -71,24 +74,15 @@ class Critical(Method):
         if self.epsilon < 0:
             raise ValueError(f"epsilon={self.epsilon} must be >= 0")
 
-    def with_budget(self, budget: int) -> "Critical":
-        return dataclasses.replace(self, base=self.base.with_budget(budget))
-
-    # ---- everything but the choice is the base's ---------------------------------------
-
-    def kept_slots(self, n: int) -> int:
-        return self.base.kept_slots(n)
-
-    def cache_slots(self, n: int, cfg: ModelConfig) -> int:
-        return self.base.cache_slots(n, cfg)
-
-    def next_position(self, kv, pos_BT, valid_BT):
-        return self.base.next_position(kv, pos_BT, valid_BT)
+    def splits_heads(self) -> bool:
+        # the rule reads the whole layer's W_O (`LayerIO.wo`), which a per-device block of
+        # heads does not slice: XLA partitions it instead
+        return False
 
     @property
     def _at_finalize(self) -> bool:
         """Whether the base decides its counts after the scan (cascading LAVa/CAKE)."""
-        return isinstance(self.base, Cascading)
+        return isinstance(self.base, FinalSelection)
 
     def init_state(self, cfg: ModelConfig, batch: int, n: int):
         st = self.base.init_state(cfg, batch, n)

@@ -21,38 +21,38 @@ class Terminated(KeyboardInterrupt):
 
 # signals received and not yet acted on: the exception a handler raises can land where
 # Python ignores it (a garbage-collection callback of XLA's, seen here), so the sweep also
-# checks this between batches and records (`_check_signals`)
-_PENDING: list[int] = []
+# checks this between batches and records (`check_signals`)
+PENDING: list[int] = []
 
 
-def _on_sigterm(signum, frame):
-    _PENDING.append(signum)
+def on_sigterm(signum, frame):
+    PENDING.append(signum)
     raise Terminated
 
 
-def _on_sigint(signum, frame):
-    _PENDING.append(signum)
+def on_sigint(signum, frame):
+    PENDING.append(signum)
     raise KeyboardInterrupt
 
 
-def _check_signals() -> None:
+def check_signals() -> None:
     """Raise for a signal whose handler's exception was swallowed."""
-    if signal.SIGTERM in _PENDING:
+    if signal.SIGTERM in PENDING:
         raise Terminated
-    if _PENDING:
+    if PENDING:
         raise KeyboardInterrupt
 
 
-def _stopped(e: KeyboardInterrupt) -> str:
+def stopped(e: KeyboardInterrupt) -> str:
     return "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
 
 
-def _stop_status(e: KeyboardInterrupt) -> int:
+def stop_status(e: KeyboardInterrupt) -> int:
     return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
 
 
 @contextlib.contextmanager
-def _sigint_deferred():
+def sigint_deferred():
     """Ctrl-C or SIGTERM while a record is written takes effect once it is written: the
     message then counts exactly the records on disk."""
     if threading.current_thread() is not threading.main_thread():
@@ -72,7 +72,7 @@ def _sigint_deferred():
         raise KeyboardInterrupt
 
 
-def _exit(code: int) -> None:
+def exit_now(code: int) -> None:
     """Leave the process. After Ctrl-C or SIGTERM XLA's threads may still be compiling or
     running the interrupted batch, and the interpreter's teardown then crashed in them
     (SIGSEGV in 4 of 11 tries): every record is already on disk (fsync'd as it finished),

@@ -11,11 +11,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvjax.run_args import UsageError
+from kvjax.cli.args import UsageError
 
 
 @functools.lru_cache(maxsize=1)
-def _machine() -> dict:
+def machine() -> dict:
     """What a record's timings were measured on: without it TTFT and time per token cannot
     be compared between records."""
     import platform
@@ -29,7 +29,7 @@ def _machine() -> dict:
             "cpu": platform.processor() or platform.machine()}
 
 
-def _versions() -> dict:
+def versions() -> dict:
     import jax
 
     import kvjax
@@ -43,7 +43,7 @@ BULKY_STATS = ("block_scores",)
 
 
 @functools.lru_cache(maxsize=4)
-def _provenance(path: str | None) -> dict:
+def provenance(path: str | None) -> dict:
     from kvjax.models.checkpoint import provenance
 
     return provenance(path)
@@ -176,7 +176,7 @@ class Output:
 # ---- main ------------------------------------------------------------------------------------
 
 
-def _one_line(x) -> str:
+def one_line(x) -> str:
     return " ".join(str(x).split())[:2000]
 
 
@@ -184,7 +184,7 @@ _IDENTITY = ("method", "budget", "ratio", "task", "context", "file_sha256", "fra
              "max_samples")
 
 
-def _check_resume(out: "Output", args, settings: dict) -> None:
+def check_resume(out: "Output", args, settings: dict) -> None:
     """--resume continues the same sweep: every job field besides (method, budget, ratio,
     task, context) of the file's records (samples, seed, scenario, dtype, max_new_tokens,
     --set, ...) must be this command's, and a .json file's own lists of methods, budgets,
@@ -213,7 +213,7 @@ def _listed(v) -> str:
     return "(none)" if v is None else ",".join(map(str, v)) if isinstance(v, list) else str(v)
 
 
-def _kept(out: Output, finished: int, total: int, overwrite: bool = False) -> str:
+def kept_message(out: Output, finished: int, total: int, overwrite: bool = False) -> str:
     if out.path is None:
         return f"{finished} of {total} records finished (no --output: none kept)"
     if overwrite and not finished:  # nothing written: the old file stands, untouched

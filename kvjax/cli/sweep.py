@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import sys
 
 import numpy as np
 
-from kvjax.run_args import TaskSpec, UsageError, check_tasks
-from kvjax.run_records import BULKY_STATS, _machine, _provenance, _versions
-from kvjax.run_signals import _check_signals
+from kvjax.cli.args import TaskSpec, UsageError, check_tasks
+from kvjax.cli.records import BULKY_STATS, machine, provenance, versions
+from kvjax.cli.signals import check_signals
 
 
 def make_method(name: str, budget: int | None, ratio: float | None, n: int, extra: dict):
@@ -28,18 +29,6 @@ def at_budget(method, budget: int | None, ratio: float | None, n: int):
     if budget is not None:
         return method.with_budget(budget)
     return method if ratio is None else method.with_ratio(ratio, n)
-
-
-def budget_of(method, given=None):
-    """The budget a record reports: the method's own `budget` field (its base's for a
-    wrapper; the token-selection methods' `select_k` where they keep no `budget`: ASL's
-    `with_budget` sets `select_k`), else the one given to `with_budget`."""
-    own = getattr(method, "budget", None)
-    if own is None and hasattr(method, "base"):
-        own = budget_of(method.base)
-    if own is None:
-        own = getattr(method, "select_k", None)
-    return own if own is not None else given
 
 
 @dataclasses.dataclass
@@ -75,12 +64,12 @@ class Job:
         return f"{self.method}{at} on {self.task}{where}"
 
 
-def _settings(args, model, extra: dict) -> dict:
+def settings_of(args, model, extra: dict) -> dict:
     """What besides (method, budget, ratio, task, context) a record's figures depend on."""
     return {"scenario": args.scenario, "samples": args.samples, "seed": args.seed,
             "max_new_tokens": args.max_new_tokens, "set": extra, "kernels": args.kernels,
             "details": args.details,
-            "weights": _provenance(str(model.path) if model.path else None)["sha256"],
+            "weights": provenance(str(model.path) if model.path else None)["sha256"],
             # only where they differ from what records written before they existed ran
             # with, so --resume still matches those
             **({"dtype": _dtype_name(model)} if _dtype_name(model) != "float32" else {}),
@@ -174,13 +163,17 @@ def _answer_tokens(model, s, chat: bool) -> int:
 
 
 def _batches(per_sample: list, batch_size: int) -> list:
-    """(method, indices) batches: samples grouped by their method (a ratio's budget follows
-    each compressed length), in order, `batch_size` at most."""
-    groups: dict = {}
-    for i, m in enumerate(per_sample):
-        groups.setdefault(m, []).append(i)
-    return [(m, idx[j: j + batch_size]) for m, idx in groups.items()
-            for j in range(0, len(idx), batch_size)]
+    """(method, indices) batches: the samples in chunks of `batch_size`, in order, each
+    chunk's samples grouped by their method (a ratio's budget follows each compressed
+    length). Every job on the same prompts has the same chunks, whose full prefill the
+    jobs share (`measure`)."""
+    out = []
+    for j in range(0, len(per_sample), batch_size):
+        groups: dict = {}
+        for i in range(j, min(j + batch_size, len(per_sample))):
+            groups.setdefault(per_sample[i], []).append(i)
+        out += list(groups.items())
+    return out
 
 
 def _check_job(job: Job, model, base, args) -> None:
@@ -237,21 +230,38 @@ def _check_lengths(d: Prompts, limit: int) -> None:
                              f"maximum length {limit} tokens")
 
 
-def plan(args, model, bases: dict, specs: list[TaskSpec] | None = None) -> list[Job]:
+def plan(args, model, bases: dict, specs: list[TaskSpec] | None = None,
+         omitted: list[str] | None = None) -> list[Job]:
     """Every (method, budget or ratio, task, context) of the sweep, each checked on its
     prompts; a method without a budget (`full`) runs once per task and context; a
     benchmark file once (context None). `bases`: each method as configured
-    (`_configured`); `specs`: the tasks (`check_tasks`)."""
+    (`configured`); `specs`: the tasks (`check_tasks`). A member of `ruler13` that RULER's
+    generator cannot make at a context (`ruler.CannotGenerate`) is left out, with a line
+    saying why appended to `omitted` and printed; named alone, it is an error."""
+    from kvjax.tasks import ruler
+
     specs = specs if specs is not None else check_tasks(args.task)
-    cells = [(s, c) for s in specs for c in (args.context if s.at_context else [None])]
-    data = {(s.name, c): _prompts_for(model, s, c, args) for s, c in cells}
+    cells, data = [], {}
+    for s in specs:
+        for c in (args.context if s.at_context else [None]):
+            try:
+                data[s.name, c] = _prompts_for(model, s, c, args)
+            except UsageError as e:
+                if s.suite is None or not isinstance(e.__cause__, ruler.CannotGenerate):
+                    raise
+                line = f"{s.suite} at context {c}: {s.name} left out: {e.__cause__}"
+                print(f"note: {line}", file=sys.stderr)
+                if omitted is not None:
+                    omitted.append(line)
+                continue
+            cells.append((s, c))
     points = [(b, None) for b in args.budget] if args.budget else \
         [(None, r) for r in args.ratio] if args.ratio else [(None, None)]
     jobs, seen = [], set()
     for name, (b, r), (spec, ctx) in itertools.product(args.method, points, cells):
         task = spec.name
         base = bases[name]
-        if base.with_budget(1) == base.with_budget(2):
+        if not base.takes_budget():
             b, r = None, None  # no budget to vary (its record and line say so)
         if (name, b, r, task, ctx) in seen:
             continue
@@ -262,7 +272,7 @@ def plan(args, model, bases: dict, specs: list[TaskSpec] | None = None) -> list[
     return jobs
 
 
-def _configured(name: str, extra: dict[str, str], args):
+def configured(name: str, extra: dict[str, str], args):
     """The method `name` with the --set values typed against its fields."""
     from kvjax import methods
     from kvjax.methods import registry
@@ -283,11 +293,12 @@ def _configured(name: str, extra: dict[str, str], args):
 
 def measure(model, jobs: list[Job], args, settings: dict, pbar=None, at: dict | None = None):
     """Run the jobs and yield (job, record) as each finishes. The jobs on the same prompts
-    (a task at a context) go batch by batch together: each batch's full prefill runs once
-    for every method that compresses after it (`kvjax.engine.shared`; not with --mesh or
-    --no-share-prefill), and a job's record is yielded after its last batch. `at["job"]`
-    names the job running (for an error's message)."""
-    from kvjax.engine import shared
+    (a task at a context) go chunk by chunk together (`_batches`), each chunk through
+    `engine.run_each`: its full prefill runs once for every method that compresses after
+    it (`kvjax.engine.shared`; not with --mesh or --no-share-prefill), a batch of part of
+    the chunk (a ratio's budget) replaying its rows, and a job's record is yielded after
+    its last batch. `at["job"]` names the job running (for an error's message)."""
+    from kvjax import engine
     from kvjax.pallas import Kernels
 
     at = at if at is not None else {}
@@ -296,30 +307,29 @@ def measure(model, jobs: list[Job], args, settings: dict, pbar=None, at: dict | 
     for job in jobs:
         groups.setdefault(id(job.data), []).append(job)
     for group in groups.values():
+        d = group[0].data
         results = {id(j): _Result(j) for j in group}
         left = {id(j): len(j.batches) for j in group}
-        order = list(dict.fromkeys(tuple(idx) for j in group for _, idx in j.batches))
-        for idx in order:
-            runs = [(j, m) for j in group for m, i in j.batches if tuple(i) == idx]
-            sharing = [k for k, (j, m) in enumerate(runs)
-                       if shared.shares(_resolved(m, j.data, list(idx)))]
-            pre = None
-            if share and len(sharing) > 1:
-                at["job"] = runs[sharing[0]][0]
-                pre = shared.prefill(model.params, model.cfg,
-                                     [group[0].data.prompts[i] for i in idx],
-                                     Kernels.every(args.kernels))
-                _check_signals()
-            for k, (job, method) in enumerate(runs):
-                at["job"] = job
-                results[id(job)].add(model, method, list(idx), args,
-                                     pre if k in sharing else None)
+        bs = args.batch_size
+        for c in dict.fromkeys(i[0] // bs for j in group for _, i in j.batches):
+            rows = list(range(c * bs, min((c + 1) * bs, len(d.prompts))))
+            runs = [(j, m, i) for j in group for m, i in j.batches if i[0] // bs == c]
+            at["job"] = runs[0][0]
+            gens = engine.run_each(
+                model.params, model.cfg, [d.prompts[r] for r in rows],
+                [(m, [i - rows[0] for i in idx]) for _, m, idx in runs],
+                questions=None if d.questions is None else [d.questions[r] for r in rows],
+                max_new_tokens=[d.max_new[r] for r in rows], share=share,
+                kernels=Kernels.every(args.kernels), mesh=model.mesh)
+            for k, ((job, method, idx), gen) in enumerate(zip(runs, gens)):
+                check_signals()
+                results[id(job)].add(model, method, idx, gen)
                 if pbar is not None:
                     pbar.update(len(idx))
                 left[id(job)] -= 1
                 if not left[id(job)]:
                     yield job, results[id(job)].record(model, args, settings)
-            del pre  # one batch's recorded prefill alive at a time
+                at["job"] = runs[min(k + 1, len(runs) - 1)][0]  # the run `gens` makes next
 
 
 class _Result:
@@ -332,22 +342,14 @@ class _Result:
         self.live, self.alloc, self.full = [], [], []
         self.compile_s, self.extra_stats, self.used, self.dtype, self.mesh = 0.0, {}, {}, None, None
 
-    def add(self, model, method, idx: list[int], args, prefilled=None) -> None:
+    def add(self, model, method, idx: list[int], gen) -> None:
+        """One batch: `gen`, the `Generation` of `method` on the samples `idx`."""
         from kvjax import engine, tasks
-        from kvjax.pallas import Kernels
 
         job, d = self.job, self.job.data
-        gen = engine.run(model.params, model.cfg, [d.prompts[i] for i in idx], method,
-                         questions=None if d.questions is None else
-                         [d.questions[i] for i in idx],
-                         max_new_tokens=max(d.max_new[i] for i in idx),
-                         kernels=Kernels.every(args.kernels), mesh=model.mesh,
-                         prefilled=prefilled)
-        _check_signals()
         st = gen.stats
         ran = _resolved(method, d, idx)
-        self.used[ran] = budget_of(ran, job.budget if job.budget is not None else
-                                   _ratio_budget(job, d.prompts[idx[0]]))
+        self.used[ran] = ran.budget_for(max(len(d.prompts[i]) for i in idx))
         self.dtype, self.mesh = str(gen.cache.k.dtype), st["mesh"]
         self.compile_s += st["compile_s"]
         self.ttft.append(st["ttft_s"])
@@ -409,9 +411,9 @@ class _Result:
             "mesh": self.mesh,  # {data, model, compression: shard_map | xla}, null: one device
             "method_params": dataclasses.asdict(next(iter(self.used))),
             "model": model.name,
-            "model_weights": _provenance(str(model.path) if model.path else None),
-            "versions": _versions(),
-            "machine": dict(_machine()),
+            "model_weights": provenance(str(model.path) if model.path else None),
+            "versions": versions(),
+            "machine": dict(machine()),
             "job": json.loads(job_key(job, settings)),
         }
         if d.spec is not None and not d.spec.synthetic:
@@ -453,12 +455,6 @@ def _prompt_tokens(d: Prompts) -> dict:
     question, special tokens and chat markup included)."""
     n = [len(p) + (len(d.questions[i]) if d.questions else 0) for i, p in enumerate(d.prompts)]
     return {"min": int(min(n)), "mean": float(np.mean(n)), "max": int(max(n))}
-
-
-def _ratio_budget(job: Job, prompt) -> int | None:
-    """kvpress's `int(n (1 - r))` of a compressed prompt (what `with_ratio` gives a method
-    that stores its budget elsewhere)."""
-    return None if job.ratio is None else max(1, int(len(prompt) * (1 - job.ratio)))
 
 
 def merge_kernels(per_batch: list[dict]) -> dict[str, str]:
