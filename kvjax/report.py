@@ -189,9 +189,12 @@ def results_parser(doc: str | None, out: Path, samples: int = 50) -> argparse.Ar
 
 
 def record_weights(r: dict) -> tuple:
-    """(sha256, trained_steps) of a record; (None, None) for records older than the field."""
-    w = r.get("model_weights") or {}
-    return w.get("sha256"), w.get("trained_steps")
+    """(sha256, trained_steps) of a record (`kvjax.cli.schema.Weights`); (None, None) for
+    records older than the field."""
+    from kvjax.cli.schema import Weights
+
+    w = Weights.of(r)
+    return w.sha256, w.trained_steps
 
 
 def model_line(records: Iterable[dict]) -> str:

@@ -178,8 +178,9 @@ def main() -> int:
     p.add_argument("--tasks", default=",".join(tasks.names()))
     p.add_argument("--ruler-tasks", default="ruler13",
                    help="the tasks of a `ruler:` sweep (RULER's 13, plain prompts: "
-                        "docs/ruler.md), e.g. all but qa_1,qa_2 at 1024 (their 10-document "
-                        "minimum does not fit)")
+                        "docs/ruler.md); ruler13 leaves out, and says so, a task RULER's "
+                        "generator cannot make at the length (qa_1, qa_2 at 1024 for "
+                        "SmolLM2: a question's 10 documents do not fit)")
     p.add_argument("--tag", default="", help="a suffix of the records file's name")
     p.add_argument("--batch-size", type=int, default=8, help="kvjax.run's --batch-size "
                    "(the records do not depend on it)")

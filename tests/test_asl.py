@@ -254,8 +254,8 @@ def test_bad_input(pair):
             engine.run(params, cfg, [ids], methods.create("asl", **kw), max_new_tokens=1)
 
 
-@pytest.mark.parametrize("name,kw", [("asl", dict(window=8, tau=0.98)),
-                                     pytest.param("fastkv", {}, marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~80 s on CI (its compilations are what it counts)
+@pytest.mark.parametrize("name,kw", [("asl", dict(window=8, tau=0.98)), ("fastkv", {})])
 def test_length_defaults_compile_once_per_bucket(pair, name, kw):
     """ASL's `select_fraction` and FastKV's rates resolve from the engine bucket's length
     (`budgets.length_scale`), not the raw prompt length: over 50 prompts of different

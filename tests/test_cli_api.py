@@ -729,3 +729,23 @@ def test_load_a_hub_id_from_the_hf_cache(model_dir, tmp_path, monkeypatch):
         kvjax.load("kvjax-test/missing")
     with pytest.raises(FileNotFoundError, match="nor a Hugging Face Hub id"):
         kvjax.load("no-such-dir")
+
+
+def test_a_signal_swallowed_in_a_gc_callback_prints_nothing(monkeypatch):
+    """The SIGTERM handler's exception can land in XLA's garbage-collection callback, where
+    Python prints it ("Exception ignored in ... Traceback") and goes on; the sweep acts on
+    it from `PENDING`, so the hook drops it, and only it."""
+    import signal
+    import types
+
+    from kvjax.cli import signals
+
+    seen = []
+    hook = signals.quiet_unraisable(seen.append)
+    term = types.SimpleNamespace(exc_value=signals.Terminated())
+    other = types.SimpleNamespace(exc_value=ValueError("x"))
+    hook(term)  # no signal pending: not ours, passed on
+    monkeypatch.setattr(signals, "PENDING", [signal.SIGTERM])
+    hook(term)
+    hook(other)
+    assert seen == [term, other]

@@ -351,6 +351,7 @@ def test_sliding_window_logits_equal_transformers(name):
         assert np.abs(ours - ref).max() > 1.0
 
 
+@pytest.mark.slow  # ~45 s on CI (every prefill kind compiled); CI time, not a weaker check
 def test_per_layer_window_runs_every_prefill_kind():
     """Inside the window a window masks nothing: every prefill kind (scan, token
     selection, block pruning) gives the same tokens with a per-layer window as without."""

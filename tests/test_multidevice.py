@@ -292,6 +292,7 @@ HOST_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # ~40 s on CI; one process's meshes are tested in the fast suite
 def test_two_processes_give_the_single_device_results():
     """Multi-host, emulated: two processes on this machine (`jax.distributed.initialize`
     over localhost, 2 CPU devices each) run a (2, 2) mesh; each gets the single-device

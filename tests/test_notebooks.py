@@ -60,10 +60,11 @@ def test_readme_links_every_notebook_in_colab():
 
 @pytest.mark.skipif(not (BUNDLED_DIR / "tiny-retrieval" / "config.json").exists(),
                     reason="the notebooks use the bundled model, not built in this checkout")
-# compare_methods (~50 s) and multi_device (~20 s; test_multidevice covers its meshes) run
-# with the slow tests: CI keeps quickstart and bring_your_own_checkpoint
+# compare_methods (~50 s), multi_device (~20 s; test_multidevice covers its meshes) and
+# bring_your_own_checkpoint (~45 s) run with the slow tests: CI keeps quickstart
 @pytest.mark.parametrize("path", [
-    pytest.param(p, marks=pytest.mark.slow) if p.stem in ("compare_methods", "multi_device")
+    pytest.param(p, marks=pytest.mark.slow)
+    if p.stem in ("compare_methods", "multi_device", "bring_your_own_checkpoint")
     else p for p in NOTEBOOKS], ids=lambda p: p.stem)
 def test_notebook_runs(path):
     """Every code cell, top to bottom, in a fresh interpreter (the multi-device notebook

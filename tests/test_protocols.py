@@ -58,6 +58,10 @@ def test_a_wrapper_answers_as_its_base():
     assert w.for_prompt(300).base == base.for_prompt(300)
     assert Wrapper(base=methods.create("asl")).for_prompt(512) == w
     assert w.name == "wrapper(asl)"
+    # the base's fields stay the base's: code that rebuilds a method asks hasattr
+    assert not hasattr(w, "select_k") and not hasattr(Critical(), "budget")
+    for proto in (protocols.TokenSelection, protocols.BlockPruning):  # every hook forwarded
+        assert protocols.missing(Wrapper(), proto) == []
 
 
 def test_critical_takes_bases_by_interface_not_family():

@@ -124,6 +124,24 @@ def test_run_takes_ruler_tasks(tmp_path, cache):
 
 
 @needs_ruler
+def test_ruler_skip_runs_later_samples_of_the_same_sequence(tmp_path, cache):
+    """`--ruler-skip 1 --samples 1` runs RULER's second sample: the one `--samples 2` runs
+    second (RULER's first samples do not depend on the count)."""
+    from kvjax import run
+
+    argv = ["--task", "ruler/vt", "--context", "1024", "--details", "--no-progress"]
+    assert run.main([*argv, "--samples", "2", "--output", str(tmp_path / "a.jsonl")]) == 0
+    assert run.main([*argv, "--samples", "1", "--ruler-skip", "1", "--output",
+                     str(tmp_path / "b.jsonl")]) == 0
+    (a,) = [json.loads(x) for x in (tmp_path / "a.jsonl").read_text().splitlines()]
+    (b,) = [json.loads(x) for x in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert (b["samples"], b["ruler_skip"], "ruler_skip" in a) == (1, 1, False)
+    assert b["details"] == a["details"][1:]
+    assert run.main(["--task", "passkey", "--ruler-skip", "2", "--output",
+                     str(tmp_path / "c.jsonl")]) == 2
+
+
+@needs_ruler
 def test_a_generator_that_never_ends_is_stopped(tmp_path, cache, monkeypatch):
     """vt at 512 tokens of the bundled word tokenizer: its in-context example alone does not
     fit, and RULER's loop never ends. The generation is stopped (the generator process

@@ -87,6 +87,8 @@ def test_run_methods_equals_each_run(setup):
     assert [g.stats["ttft_own_s"] for g in one] == [None, None]  # one alone: its own
 
 
+@pytest.mark.slow  # ~50 s on CI; test_a_ratio_sweep_shares_the_prefill checks the same in
+# the fast suite, and test_run_methods_equals_each_run a method that runs its own beside
 def test_a_shared_sweep_writes_the_records_of_separate_runs(tmp_path):
     argv = ["--model", "tiny-retrieval", "--method", "snapkv,streaming_llm,gemfilter", "--budget", "64",
             "--task", "passkey", "--context", "256", "--samples", "3", "--batch-size", "2",

@@ -43,6 +43,7 @@ def _staged(tmp_path, *curriculum):
     return train.load_configs(p)[1]
 
 
+@pytest.mark.slow  # ~35 s on CI: training rarely changes; run with -m slow when it does
 def test_loss_decreases_and_resume_is_identical(config_path, tmp_path):
     full = train.train(config_path, tmp_path / "a", log_every=1)
     losses = [r["loss"] for r in full["log"]]

@@ -134,6 +134,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "and the generation prompt); context-only compresses the rendering up "
                         "to the context's end and prefills the rest")
     p.add_argument("--seed", type=_INT(0), default=0)
+    p.add_argument("--ruler-skip", type=_INT(0, MAX_SAMPLES + 1), default=0, metavar="K",
+                   help="RULER's generated tasks: run samples K .. K+n-1 of RULER's sequence "
+                        "(its first samples are the same whatever the count), leaving out "
+                        "the first K, e.g. those a calibration chose the tasks on (default 0)")
     p.add_argument("--scenario", choices=SCENARIOS, default="question_aware")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a method hyperparameter, typed as the method's field "
@@ -295,6 +299,9 @@ def check_scope(args, specs: list[TaskSpec]) -> None:
                          "files carry their own lengths")
     if args.fraction is not None and all(s.at_context for s in specs):
         raise UsageError("--fraction applies to benchmark files (ruler:PATH, longbench:PATH)")
+    if args.ruler_skip and not any(s.kind == "ruler13" for s in specs):
+        raise UsageError(f"--ruler-skip {args.ruler_skip} applies to RULER's generated tasks "
+                         "(ruler13, ruler/NAME)")
     if args.seed != 0 and all(s.kind == "ruler13" for s in specs):
         raise UsageError(f"--seed {args.seed}: RULER's prepare.py fixes its generators' seed "
                          "(42); --seed applies to the synthetic tasks and --fraction")

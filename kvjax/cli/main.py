@@ -27,8 +27,8 @@ from pathlib import Path
 from kvjax.cli.args import (EXIT_USAGE, UsageError, check_scope, check_tasks, make_mesh,
                             parse_args, split_pairs)
 from kvjax.cli.records import Output, check_resume, kept_message, one_line
-from kvjax.cli.signals import (PENDING, exit_now, on_sigint, on_sigterm, sigint_deferred,
-                               stop_status, stopped)
+from kvjax.cli.signals import (PENDING, exit_now, on_sigint, on_sigterm, quiet_unraisable,
+                               sigint_deferred, stop_status, stopped)
 from kvjax.cli.sweep import Job, configured, job_key, measure, plan, settings_of
 from kvjax.report import record_weights
 
@@ -46,9 +46,12 @@ def main(argv=None) -> int:
     previous = {sig: signal.signal(sig, h) for sig, h in
                 ((signal.SIGTERM, on_sigterm), (signal.SIGINT, on_sigint))} \
         if main_thread else {}
+    unraisable = sys.unraisablehook
+    sys.unraisablehook = quiet_unraisable(unraisable)
     try:
         return _run_main(argv, debug)
     finally:
+        sys.unraisablehook = unraisable
         for sig, handler in previous.items():  # None: a handler not installed from Python
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 

@@ -1,5 +1,5 @@
 """The records file of `python -m kvjax.run`: what a record carries beside its figures
-(machine, versions, provenance), the JSON / JSONL writer, and what `--resume` accepts."""
+(machine, versions), the JSON / JSONL writer, and what `--resume` accepts."""
 
 from __future__ import annotations
 
@@ -40,13 +40,6 @@ def versions() -> dict:
 # method statistics too large for a record (every block's score at every pruning layer of
 # every sample: 14.7 MB for one SlimInfer sweep); the API's stats still have them
 BULKY_STATS = ("block_scores",)
-
-
-@functools.lru_cache(maxsize=4)
-def provenance(path: str | None) -> dict:
-    from kvjax.models.checkpoint import provenance
-
-    return provenance(path)
 
 
 def _finite(x):

@@ -35,6 +35,18 @@ def on_sigint(signum, frame):
     raise KeyboardInterrupt
 
 
+def quiet_unraisable(previous):
+    """A `sys.unraisablehook` that drops the handlers' own exceptions where Python swallowed
+    them (a garbage-collection callback of XLA's: Python printed "Exception ignored in ...
+    Traceback" above the sweep's one line); `PENDING` acts on them. Anything else goes to
+    `previous`."""
+    def hook(u):
+        if isinstance(u.exc_value, KeyboardInterrupt) and PENDING:
+            return
+        previous(u)
+    return hook
+
+
 def check_signals() -> None:
     """Raise for a signal whose handler's exception was swallowed."""
     if signal.SIGTERM in PENDING:

@@ -11,7 +11,8 @@ import sys
 import numpy as np
 
 from kvjax.cli.args import TaskSpec, UsageError, check_tasks
-from kvjax.cli.records import BULKY_STATS, machine, provenance, versions
+from kvjax.cli.records import BULKY_STATS, machine, versions
+from kvjax.cli.schema import Record, Weights
 from kvjax.cli.signals import check_signals
 
 
@@ -69,12 +70,13 @@ def settings_of(args, model, extra: dict) -> dict:
     return {"scenario": args.scenario, "samples": args.samples, "seed": args.seed,
             "max_new_tokens": args.max_new_tokens, "set": extra, "kernels": args.kernels,
             "details": args.details,
-            "weights": provenance(str(model.path) if model.path else None)["sha256"],
+            "weights": Weights.of_checkpoint(str(model.path) if model.path else None).sha256,
             # only where they differ from what records written before they existed ran
             # with, so --resume still matches those
             **({"dtype": _dtype_name(model)} if _dtype_name(model) != "float32" else {}),
             **({"mesh": args.mesh.replace(" ", "")} if args.mesh else {}),
-            **({"chat_template": True} if args.chat_template else {})}
+            **({"chat_template": True} if args.chat_template else {}),
+            **({"ruler_skip": args.ruler_skip} if args.ruler_skip else {})}
 
 
 def _dtype_name(model) -> str:
@@ -106,10 +108,10 @@ def _encode(model, spec: TaskSpec, context: int | None, args) -> Prompts:
         if model.tokenizer is None:
             raise ValueError(f"model {model.name!r} has no tokenizer to generate RULER's "
                              "tasks with")
-        path = ruler.generate(model.tokenizer, name, context, args.samples)
+        path = ruler.generate(model.tokenizer, name, context, args.ruler_skip + args.samples)
         spec = dataclasses.replace(spec, path=path, sha256=loaders.sha256(path))
-        samples = loaders.load_ruler_jsonl(path, name)
-        in_file = len(samples)
+        samples = loaders.load_ruler_jsonl(path, name)[args.ruler_skip:]
+        in_file = len(samples) + args.ruler_skip
     else:
         samples = loaders.load_benchmark(spec.kind, spec.path)
         in_file = len(samples)
@@ -381,49 +383,46 @@ class _Result:
         job, d, per_sample = self.job, self.job.data, self.per_sample
         budgets = sorted(set(self.used.values()), key=lambda v: (v is None, v or 0))
         shared = [o is not None for o in self.own]
-        record = {
-            "method": job.method,
-            "budget": budgets[0] if len(budgets) == 1 else budgets,
-            "ratio": job.ratio,
-            "scenario": args.scenario,
-            "task": job.task,
-            "context_length": job.context,
-            "samples": len(per_sample),
-            "seed": args.seed,
-            "max_new_tokens": max(d.max_new),
-            "prompt_tokens": _prompt_tokens(d),
-            "accuracy": float(np.mean([r["score"] for r in per_sample])),
-            "kv_bytes_live": float(np.mean(self.live)),
-            "kv_bytes_allocated": float(np.mean(self.alloc)),
-            "kv_bytes_full": float(np.mean(self.full)),
-            "kv_fraction": float(np.mean(self.live) / np.mean(self.full)),
-            "ttft_s": float(np.mean(self.ttft)),
-            # "shared": the full prefill ran once for the sweep's methods on these prompts
-            # and ttft_own_s is this method's compression alone (ttft_s: the two together)
-            "prefill": "shared" if all(shared) else "own" if not any(shared) else "mixed",
-            "ttft_own_s": float(np.mean([o for o in self.own if o is not None]))
+        return Record(
+            method=job.method,
+            budget=budgets[0] if len(budgets) == 1 else budgets,
+            ratio=job.ratio,
+            scenario=args.scenario,
+            task=job.task,
+            context_length=job.context,
+            samples=len(per_sample),
+            seed=args.seed,
+            ruler_skip=args.ruler_skip or None,
+            max_new_tokens=max(d.max_new),
+            prompt_tokens=_prompt_tokens(d),
+            accuracy=float(np.mean([r["score"] for r in per_sample])),
+            kv_bytes_live=float(np.mean(self.live)),
+            kv_bytes_allocated=float(np.mean(self.alloc)),
+            kv_bytes_full=float(np.mean(self.full)),
+            kv_fraction=float(np.mean(self.live) / np.mean(self.full)),
+            ttft_s=float(np.mean(self.ttft)),
+            prefill="shared" if all(shared) else "own" if not any(shared) else "mixed",
+            ttft_own_s=float(np.mean([o for o in self.own if o is not None]))
             if any(shared) else None,
-            "tpot_s": float(np.mean(self.tpot)) if self.tpot else None,
-            "compile_s": self.compile_s,
-            "method_stats": {k: v for k, v in self.extra_stats.items() if k not in BULKY_STATS},
-            "kernels": merge_kernels(self.kernels),
-            "dtype": self.dtype,
-            "mesh": self.mesh,  # {data, model, compression: shard_map | xla}, null: one device
-            "method_params": dataclasses.asdict(next(iter(self.used))),
-            "model": model.name,
-            "model_weights": provenance(str(model.path) if model.path else None),
-            "versions": versions(),
-            "machine": dict(machine()),
-            "job": json.loads(job_key(job, settings)),
-        }
-        if d.spec is not None and not d.spec.synthetic:
-            record.update(_benchmark_fields(d, per_sample, args))
-        record["chat_template"] = bool(args.chat_template)
-        if job.budget is None and job.ratio is None and (args.budget or args.ratio):
-            record["note"] = f"{job.method} takes no budget: --budget/--ratio not applied"
-        if args.details:
-            record["details"] = per_sample
-        return record
+            tpot_s=float(np.mean(self.tpot)) if self.tpot else None,
+            compile_s=self.compile_s,
+            method_stats={k: v for k, v in self.extra_stats.items() if k not in BULKY_STATS},
+            kernels=merge_kernels(self.kernels),
+            dtype=self.dtype,
+            mesh=self.mesh,
+            method_params=dataclasses.asdict(next(iter(self.used))),
+            model=model.name,
+            model_weights=Weights.of_checkpoint(str(model.path) if model.path else None),
+            versions=versions(),
+            machine=dict(machine()),
+            job=json.loads(job_key(job, settings)),
+            **(_benchmark_fields(d, per_sample, args)
+               if d.spec is not None and not d.spec.synthetic else {}),
+            chat_template=bool(args.chat_template),
+            note=f"{job.method} takes no budget: --budget/--ratio not applied"
+            if job.budget is None and job.ratio is None and (args.budget or args.ratio) else None,
+            details=per_sample if args.details else None,
+        ).as_json()
 
 
 def _sample_id(s) -> dict:

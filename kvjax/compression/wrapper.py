@@ -134,9 +134,33 @@ class Wrapper(Method):
     def static_after_prefill(self) -> bool:
         return self.base.static_after_prefill()
 
-    def __getattr__(self, name: str):
-        """A hook of an engine path's protocol (`kvjax.compression.protocols`) the base has
-        and `Method` does not declare (a token-selection or block-pruning base)."""
-        if name.startswith("_") or name in ("base",):
-            raise AttributeError(name)
-        return getattr(self.base, name)
+    # ---- the token-selection and block-pruning prefills' hooks (`protocols`) -----------
+    # (forwarded by name, not by __getattr__: `hasattr(wrapper, field)` must stay False
+    # for the base's fields, which code that rebuilds a method reads as "mine")
+
+    def token_plan(self, n: int):
+        return self.base.token_plan(n)
+
+    def token_scores(self, q, k, valid, kernels):
+        return self.base.token_scores(q, k, valid, kernels)
+
+    def init_exit(self, cfg: ModelConfig, P: int):
+        return self.base.init_exit(cfg, P)
+
+    def exit_test(self, layer, s_KP, valid_P, ex, cfg: ModelConfig):
+        return self.base.exit_test(layer, s_KP, valid_P, ex, cfg)
+
+    def exit_stats(self, ex, relvar) -> dict:
+        return self.base.exit_stats(ex, relvar)
+
+    def plan(self, cfg: ModelConfig, T: int):
+        return self.base.plan(cfg, T)
+
+    def group_scores(self, q_tail, k_BKSD, valid_BS):
+        return self.base.group_scores(q_tail, k_BKSD, valid_BS)
+
+    def choose_groups(self, i: int, plan, s_BG, blk_BG, glive_BG, n_B):
+        return self.base.choose_groups(i, plan, s_BG, blk_BG, glive_BG, n_B)
+
+    def block_state(self, plan, T: int, n_B, pruned: list[dict]):
+        return self.base.block_state(plan, T, n_B, pruned)

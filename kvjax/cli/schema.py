@@ -1,0 +1,100 @@
+"""A record of `python -m kvjax.run`, typed: what one (method, budget or ratio, task,
+context) measured (docs/design.md, "Public contract"). `Record.as_json` is the line written;
+readers take the JSON (`kvjax.report.load_records`), and `Weights.of` reads which weights a
+record (of any age) was measured on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """The weights a record was measured on (`model_weights`): the checkpoint's sha256 and
+    its training steps; None where unknown (records older than the field)."""
+
+    sha256: str | None = None
+    trained_steps: int | None = None
+
+    @classmethod
+    def of_checkpoint(cls, model_dir: str | None) -> Weights:
+        return cls(**_provenance(model_dir))
+
+    @classmethod
+    def of(cls, record: dict) -> Weights:
+        w = record.get("model_weights") or {}
+        return cls(w.get("sha256"), w.get("trained_steps"))
+
+    def as_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One record, its fields in the order written. The optional ones (None) are left out:
+    `ruler_skip` (only when samples were skipped), a benchmark file's `benchmark`,
+    `accuracy_by_dataset` and `predictions`, `note`, and `details` (with --details)."""
+
+    method: str
+    budget: int | float | list | None  # a list: a ratio's budgets, one per prompt length
+    ratio: float | None
+    scenario: str
+    task: str
+    context_length: int | None
+    samples: int
+    seed: int
+    max_new_tokens: int
+    prompt_tokens: dict  # {min, mean, max}
+    accuracy: float
+    kv_bytes_live: float
+    kv_bytes_allocated: float
+    kv_bytes_full: float
+    kv_fraction: float
+    ttft_s: float
+    prefill: str  # "shared": the full prefill ran once for the sweep's methods; "own"; "mixed"
+    ttft_own_s: float | None  # the method's compression alone, where the prefill was shared
+    tpot_s: float | None
+    compile_s: float
+    method_stats: dict
+    kernels: dict
+    dtype: str | None
+    mesh: dict | None  # {data, model, compression: shard_map | xla}; None: one device
+    method_params: dict
+    model: str
+    model_weights: Weights
+    versions: dict
+    machine: dict
+    job: dict  # the identity --resume matches on
+    ruler_skip: int | None = None
+    benchmark: dict | None = None
+    accuracy_by_dataset: dict | None = None
+    predictions: list | None = None
+    chat_template: bool = False
+    note: str | None = None
+    details: list | None = None
+
+    _OPTIONAL = ("ruler_skip", "benchmark", "accuracy_by_dataset", "predictions", "note",
+                 "details")
+
+    def as_json(self) -> dict[str, Any]:
+        """The record as written: `ruler_skip` after `seed`, as earlier records hold it."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in self._OPTIONAL and v is None or f.name == "ruler_skip":
+                continue
+            out[f.name] = v.as_json() if isinstance(v, Weights) else v
+            if f.name == "seed" and self.ruler_skip:
+                out["ruler_skip"] = self.ruler_skip
+        return out
+
+
+@functools.lru_cache(maxsize=4)
+def _provenance(model_dir: str | None) -> dict:
+    """A checkpoint's sha256 (a hash of every weight file: once per run, not per record)."""
+    from kvjax.models.checkpoint import provenance
+
+    return provenance(model_dir)

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The Qwen2.5-Coder-0.5B sweeps of the papers' claims on RULER (docs/results/*.md, the
+# claims registry docs/results/claims.jsonl). One JSONL per sweep in
+# docs/results/qwen2.5-coder-0.5b/, resumable: re-run this script (or one line of it) to
+# finish what a stop cut off; commit the records as they come.
+#   nice bash scripts/sweeps_qwen.sh [SECTION]      # SECTION: baselines (default), pooling
+#
+# The plan, against the cost measured on this machine (2 cores, float32):
+# - the full prefill of a batch of 8 RULER prompts at 4096 tokens: 497 s (62 s a sample,
+#   a test suite running beside it; ~40 s alone); decoding 1.1 s a step at batch 8, and a
+#   niah answer stops after ~10 tokens (RULER allows 128). A task at n = 50 costs one
+#   shared prefill (~35-50 min) plus, per (method, budget) cell, 7 batches of compression
+#   and decoding (~3-5 min): the baselines grid below (8 methods x 2 budgets) is ~2 h a
+#   task. Fewer tasks, never fewer samples: n = 50 a cell.
+# - Tasks: those the full cache solves (>= 80%) in the RULER calibration
+#   (ruler_4096*.jsonl, samples 0-15 at most), judged here on other samples: RULER's 16th
+#   onwards (--ruler-skip 16; RULER's first samples are the same whatever the count), so
+#   the choice of task is not made on the samples it is judged on.
+# - Budgets: 512 and 256 of 4096 (1/8 and 1/16). SnapKV's pooling kernel is 7 (its
+#   default) unless a kernel chosen on a dev seed does better (the pooling section).
+# - Declared comparisons (each a row of claims.jsonl once its records exist): every
+#   method against full ("no worse", 5 points), Ada-SnapKV vs SnapKV, Ada-PyramidKV vs
+#   PyramidKV, PyramidKV vs SnapKV, SnapKV vs H2O, TOVA and StreamingLLM ("better"), at
+#   each budget and task.
+set -u
+cd "$(dirname "$0")/.."
+D=docs/results/qwen2.5-coder-0.5b
+CTX=4096
+R="python -m kvjax.run --model qwen2.5-coder-0.5b --context $CTX --samples 50 --ruler-skip 16
+   --batch-size 8 --details --no-progress"
+
+solved() {  # the RULER tasks the full cache solves at $CTX in the calibration records
+  python - "$D" "$CTX" <<'EOF'
+import json, sys
+from pathlib import Path
+best = {}
+for f in sorted(Path(sys.argv[1]).glob(f"ruler_{sys.argv[2]}*.jsonl")):
+    for line in f.read_text().splitlines():
+        r = json.loads(line)
+        if r["method"] == "full" and r["samples"] >= best.get(r["task"], (0, 0))[0]:
+            best[r["task"]] = (r["samples"], r["accuracy"])
+print(",".join(t for t, (n, a) in best.items() if a >= 0.8))
+EOF
+}
+
+run() {  # file, then arguments
+  local f=$D/$1; shift
+  if [ -e "$f" ]; then $R "$@" --output "$f" --resume; else $R "$@" --output "$f"; fi
+}
+
+TASKS=$(solved)
+[ -n "$TASKS" ] || { echo "no calibration records with a solved task in $D" >&2; exit 2; }
+case "${1:-baselines}" in
+  baselines)
+    for t in ${TASKS//,/ }; do
+      run "baselines_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512,256 \
+        --method full,snapkv,ada_snapkv,pyramidkv,ada_pyramidkv,h2o,tova,streaming_llm
+    done ;;
+  pooling)  # SnapKV's kernel chosen on a dev seed: RULER's samples 66-115, judged elsewhere
+    for t in ${TASKS//,/ }; do
+      for k in 7 17; do
+        R=${R/--ruler-skip 16/--ruler-skip 66} run "dev_pool_k${k}_${t#ruler/}_$CTX.jsonl" \
+          --task "$t" --budget 512,256 --method snapkv,ada_snapkv --set kernel=$k
+      done
+    done ;;
+  *) echo "unknown section $1: baselines or pooling" >&2; exit 2 ;;
+esac
