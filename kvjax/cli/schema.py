@@ -84,8 +84,8 @@ class Record:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in self._OPTIONAL and v is None or f.name == "ruler_skip":
-                continue
+            if f.name == "ruler_skip" or (v is None and f.name in self._OPTIONAL):
+                continue  # ruler_skip: written after seed, below
             out[f.name] = v.as_json() if isinstance(v, Weights) else v
             if f.name == "seed" and self.ruler_skip:
                 out["ruler_skip"] = self.ruler_skip
