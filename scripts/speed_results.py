@@ -25,7 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHES = (
     ("decode", 4, "SnapKV in kvjax vs HF transformers + kvpress (prefill+compress time, "
      "decode tokens/s), and the compressed vs full decode step at 2048 and 8192",
-     ["decode", "--repeats", "3"]),
+     ["decode", "--repeats", "3", "--parts", "1,2"]),
+    ("decode_layers", 52, "decode's layer loop, the stacked scan vs per-layer buffers "
+     "(`Kernels.decode_layers`): compile time and ms/token, full cache and SnapKV, "
+     "SmolLM2-135M at 2048",
+     ["decode", "--model", "smollm2-135m", "--parts", "3", "--decode-contexts", "2048",
+      "--new-tokens", "32", "--skip-torch"]),
     ("critical_norm", 9, "CriticalKV's projected value norm: blockwise vs materialising "
      "(time and XLA temporaries), Llama-3-8B-shaped W_O",
      ["critical"]),

@@ -424,10 +424,12 @@ def test_cli_records_the_budget_used(model_dir, tmp_path, capsys):
              r["method_params"] else r["method_params"]["base"]["budget"]) for r in recs] == [
         ("snapkv", 40, 40), ("snapkv", 128, 128), ("critical_snapkv", 128, 128)]
     assert recs[0]["kv_fraction"] == pytest.approx(40 / 128)
-    # the ops that ran, each on xla (CPU, auto) but the prompt attention (CPU's tiled one):
-    # window scores only where something was scored, not where the budget covers the prompt
+    # the ops that ran, each on xla (CPU, auto) but the prompt attention (CPU's tiled one)
+    # and the decode loop (CPU's scan): window scores only where something was scored, not
+    # where the budget covers the prompt
     assert ["window_scores" in r["kernels"] for r in recs] == [True, False, False]
     assert all(r["kernels"].pop("prefill_attention") == "blocked" for r in recs)
+    assert all(r["kernels"].pop("decode_layers") == "scan" for r in recs)
     assert all(set(r["kernels"].values()) == {"xla"} for r in recs if r["kernels"])
     assert all(r["dtype"] == "float32" for r in recs)
 

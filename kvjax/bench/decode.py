@@ -15,6 +15,13 @@ ratios kvjax / torch.
 Part 2 (kvjax only): decode time per token with the compressed cache vs the full cache,
 at each `--decode-contexts` length (2048 and 8192 by default).
 
+Part 3 (kvjax only): decode's layer loop (`Kernels.decode_layers`), one `lax.scan` over
+the stacked layers vs a loop over per-layer buffers, for the full cache and SnapKV at each
+`--decode-contexts` length: compile seconds (every program of the run), ms/token, the
+ratios, and whether the greedy tokens are equal.
+
+    python -m kvjax.bench.decode --model smollm2-135m --parts 3 --decode-contexts 2048
+
 Every figure is measured in the run that prints it: one timed run each (`--repeats` for
 medians).
 """
@@ -34,10 +41,10 @@ import numpy as np
 
 
 def load_model(name: str, max_context: int):
-    import kvjax
+    from kvjax import api
     from kvjax.bench.prefill import model_for
 
-    if name == "tiny-retrieval" and not (kvjax.api.BUNDLED_DIR / name / "config.json").exists():
+    if name == "tiny-retrieval" and not (api.BUNDLED_DIR / name / "config.json").exists():
         print("bundled model tiny-retrieval is not in this checkout: using `random` (its "
               "architecture, random weights)")
         name = "random"
@@ -47,11 +54,13 @@ def load_model(name: str, max_context: int):
     return model
 
 
-def kvjax_run(model, ids, method, new_tokens, repeats):
+def kvjax_run(model, ids, method, new_tokens, repeats, kernels=None):
     from kvjax import engine
+    from kvjax.pallas.dispatch import Kernels
 
     runs = [engine.run(model.params, model.cfg, [ids], method, max_new_tokens=new_tokens,
-                       stop_ids=()) for _ in range(repeats + 1)]  # the first compiles
+                       stop_ids=(), kernels=kernels or Kernels())
+            for _ in range(repeats + 1)]  # the first compiles
     ttft = statistics.median(r.stats["ttft_s"] for r in runs[1:])
     tpot = statistics.median(r.stats["tpot_s"] for r in runs[1:])
     return runs[0].stats["compile_s"], ttft, tpot, runs[-1].tokens[0], runs[-1].stats
@@ -96,7 +105,6 @@ class _null:
 
 def main(argv=None) -> int:
     from kvjax import methods
-    from kvjax.models.checkpoint import save_hf
 
     p = argparse.ArgumentParser(prog="python -m kvjax.bench.decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,6 +117,7 @@ def main(argv=None) -> int:
     p.add_argument("--decode-contexts", default="2048,8192")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--parts", default="1,2,3", help="which parts to run (1, 2, 3)")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads (on a shared 2-core machine 2 threads ran the "
                         "HF prefill ~25x slower than 1: OpenMP waits under contention)")
@@ -122,8 +131,21 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     ids = rng.integers(3, cfg.vocab_size, a.context).tolist()
     snap = methods.SnapKV(budget=a.budget, window=a.window, kernel=5, pooling="avg", gqa="mean")
+    parts = {int(x) for x in a.parts.split(",") if x}
+    if 1 in parts:
+        part1(a, model, ids, snap)
+    if 2 in parts:
+        part2(a, model, dctx, rng, snap)
+    if 3 in parts:
+        part3(a, model, dctx, rng, snap)
+    return 0
 
-    # ---- part 1: kvjax vs transformers + kvpress -------------------------------------------
+
+def part1(a, model, ids, snap):
+    """kvjax vs transformers + kvpress."""
+    from kvjax.models.checkpoint import save_hf
+
+    cfg = model.cfg
     print(f"\n[1] SnapKV budget {a.budget} (window {a.window}, avgpool 5, GQA mean), context "
           f"{a.context}, {a.new_tokens} greedy tokens, batch 1")
     comp, ttft, tpot, toks, _ = kvjax_run(model, ids, snap, a.new_tokens, a.repeats)
@@ -156,19 +178,43 @@ def main(argv=None) -> int:
         print(f"  ratio kvjax/torch: prefill+compress time {ttft / t_ttft:.3f}x, decode tokens/s "
               f"{t_tpot / tpot:.3f}x   (greedy tokens equal: {same}/{a.new_tokens})")
 
-    # ---- part 2: compressed vs full decode step (kvjax) --------------------------------------
+
+
+def part2(a, model, dctx, rng, snap):
+    """Compressed vs full decode step (kvjax)."""
+    from kvjax import methods
+
     print(f"\n[2] kvjax decode step, SnapKV budget {a.budget} vs full cache")
     print(f"  {'context':>7} {'full ms/tok':>11} {'snapkv ms/tok':>13} {'ratio':>6} "
           f"{'full ttft ms':>12} {'snapkv ttft ms':>14} {'kv live/full':>12}")
     for n in dctx:
-        ids_n = rng.integers(3, cfg.vocab_size, n).tolist()
+        ids_n = rng.integers(3, model.cfg.vocab_size, n).tolist()
         _, f_ttft, f_tpot, _, _ = kvjax_run(model, ids_n, methods.Method(), a.new_tokens,
                                             a.repeats)
         _, s_ttft, s_tpot, _, st = kvjax_run(model, ids_n, snap, a.new_tokens, a.repeats)
         frac = st["kv_bytes_live"] / st["kv_bytes_full"]
         print(f"  {n:>7} {f_tpot * 1e3:>11.2f} {s_tpot * 1e3:>13.2f} {s_tpot / f_tpot:>6.3f} "
               f"{f_ttft * 1e3:>12.1f} {s_ttft * 1e3:>14.1f} {frac:>12.4f}", flush=True)
-    return 0
+
+
+def part3(a, model, dctx, rng, snap):
+    """Decode's layer loop: the stacked scan vs per-layer buffers (kvjax)."""
+    from kvjax import methods
+    from kvjax.pallas.dispatch import Kernels
+
+    print(f"\n[3] kvjax decode's layer loop (Kernels.decode_layers), scan vs per_layer, "
+          f"{a.new_tokens} greedy tokens, batch 1")
+    print(f"  {'context':>7} {'method':>7} {'compile s':>17} {'ratio':>6} {'ms/token':>17} "
+          f"{'ratio':>6} {'tokens':>6}")
+    for n in dctx:
+        ids_n = rng.integers(3, model.cfg.vocab_size, n).tolist()
+        for name, m in (("full", methods.Method()), ("snapkv", snap)):
+            (c0, _, t0, tok0, _), (c1, _, t1, tok1, _) = (
+                kvjax_run(model, ids_n, m, a.new_tokens, a.repeats, Kernels(decode_layers=lay))
+                for lay in ("scan", "per_layer"))
+            print(f"  {n:>7} {name:>7} {c0:>7.1f} -> {c1:>6.1f} {c1 / c0:>6.2f} "
+                  f"{t0 * 1e3:>7.2f} -> {t1 * 1e3:>6.2f} {t1 / t0:>6.3f} "
+                  f"{'equal' if tok0 == tok1 else 'DIFFER':>6}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ later steps keep (`RESERVE_S`); what does not fit is listed as not run:
   heads, head dim 128, vocab 128256, `--layers` of its 32 layers, random bf16 weights) at
   each `--contexts` with the default kernels: runs or fails, TTFT and its ratio to full,
   time per output token against (weights + live KV) / bandwidth, process peak memory;
-- roofline: full-cache prefill MFU and decode against the memory roofline on the whole
-  32-layer shape, batch 1 at each context and batch 8 at the smallest: MFU = prefill
+- roofline: prefill MFU and decode against the memory roofline on the whole 32-layer
+  shape, batch 1 at each context and batch 8 at the smallest, for the full cache over
+  per-layer buffers and over the layer scan, and SnapKV at 1/8 (`ROOFLINE_VARIANTS`): MFU = prefill
   FLOPs / TTFT / the bf16 matmul rate measured in this run; the bound = (weight bytes +
   live KV bytes) / the copy bandwidth measured in this run;
 - profile: device time per op (jax.profiler) of a full-cache prefill and decode step at
@@ -153,31 +154,42 @@ def run_methods(model, names, contexts, kernels_choices, deadline, new_tokens, b
     return rows
 
 
-def roofline(model, cases, deadline, rates):
-    """Full-cache prefill MFU and decode time vs the (weights + KV) / bandwidth bound, for
-    each (context, batch) in `cases`."""
+# (method, decode layer loop) of each roofline case: the per-layer loop against the scan it
+# replaces (full cache), and SnapKV at 1/8 of the context (`Kernels.decode_layers`)
+ROOFLINE_VARIANTS = (("full", "per_layer"), ("full", "scan"), ("snapkv", "per_layer"))
+
+
+def roofline(model, cases, deadline, rates, variants=ROOFLINE_VARIANTS):
+    """Prefill MFU and decode time vs the (weights + live KV) / bandwidth bound, for each
+    (context, batch) in `cases` and each (method, decode layout) in `variants`."""
     import kvjax
     from kvjax.methods.slim.blocks import layer_flops
+    from kvjax.pallas import Kernels
 
     cfg, (flops_s, bytes_s) = model.cfg, rates
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
     rows, rng = [], np.random.default_rng(1)
     for n, batch in cases:
-        if time.perf_counter() > deadline:
-            rows.append(dict(context=n, batch=batch, status="not run (time budget)"))
-            continue
         ids = [[int(x) for x in rng.integers(3, cfg.vocab_size - 1, n)] for _ in range(batch)]
-        try:
-            r = kvjax.generate(model, ids if batch > 1 else ids[0], max_new_tokens=16)
-            flops = batch * cfg.num_layers * layer_flops(cfg, n, (n + 1) / 2)
-            bound = (weight_bytes + r.stats["kv_bytes_live"]) / bytes_s
-            rows.append(dict(context=n, batch=batch, status="ok", ttft_s=r.stats["ttft_s"],
-                             mfu=flops / r.stats["ttft_s"] / flops_s,
-                             tpot_s=r.stats["tpot_s"], bound_s=bound,
-                             roofline=bound / r.stats["tpot_s"]))
-        except Exception as e:
-            rows.append(dict(context=n, batch=batch,
-                             status=f"FAILED: {type(e).__name__}: {str(e)[:200]}"))
+        for name, layout in variants:
+            row = dict(context=n, batch=batch, method=name, layout=layout)
+            if time.perf_counter() > deadline:
+                rows.append(dict(row, status="not run (time budget)"))
+                continue
+            try:
+                m = kvjax.methods.create(name)
+                m = m.with_budget(n // 8) if m.takes_budget() else m
+                r = kvjax.generate(model, ids if batch > 1 else ids[0], method=m,
+                                   max_new_tokens=16, kernels=Kernels(decode_layers=layout))
+                flops = batch * cfg.num_layers * layer_flops(cfg, n, (n + 1) / 2)
+                bound = (weight_bytes + r.stats["kv_bytes_live"]) / bytes_s
+                rows.append(dict(row, status="ok", ttft_s=r.stats["ttft_s"],
+                                 mfu=flops / r.stats["ttft_s"] / flops_s,
+                                 tpot_s=r.stats["tpot_s"], bound_s=bound,
+                                 roofline=bound / r.stats["tpot_s"],
+                                 compile_s=r.stats["compile_s"]))
+            except Exception as e:
+                rows.append(dict(row, status=f"FAILED: {type(e).__name__}: {str(e)[:200]}"))
     return rows
 
 
@@ -299,11 +311,14 @@ def report(runs, rows, roof) -> str:
                      f"{r['status']} | {fmt(r.get('ttft_s'))} | {fmt(ratio, '{:.2f}x')} | "
                      f"{fmt(r.get('tpot_s') and r['tpot_s'] * 1e3, '{:.2f}')} | "
                      f"{fmt(r.get('roofline'), '{:.0%}')} | {fmt(r.get('peak_gb'), '{:.1f}')} |")
-    lines += ["", "## Roofline (full cache, 32-layer shape)", "",
-              "| run | context | batch | status | TTFT s | MFU | ms/token | bound ms/token | "
-              "% of bound |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "## Roofline (32-layer shape; decode layers: `Kernels.decode_layers`)", "",
+              "| run | context | batch | method | decode layers | status | TTFT s | MFU | "
+              "ms/token | bound ms/token | % of bound |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in roof:
-        lines.append(f"| {r['run']} | {r['context']} | {r.get('batch', 1)} | {r['status']} | "
+        # rows of runs before the per-layer loop existed: the full cache over the scan
+        lines.append(f"| {r['run']} | {r['context']} | {r.get('batch', 1)} | "
+                     f"{r.get('method', 'full')} | {r.get('layout', 'scan')} | {r['status']} | "
                      f"{fmt(r.get('ttft_s'))} | {fmt(r.get('mfu'), '{:.1%}')} | "
                      f"{fmt(r.get('tpot_s') and r['tpot_s'] * 1e3, '{:.2f}')} | "
                      f"{fmt(r.get('bound_s') and r['bound_s'] * 1e3, '{:.2f}')} | "

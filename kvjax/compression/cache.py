@@ -68,25 +68,40 @@ class KVCache:
 
 def write(
     kv: LayerKV,
-    layer: Int[Array, ""],
+    layer: Int[Array, ""] | None,
     k_BKTD: Float[Array, "B K T D"],
     v_BKTD: Float[Array, "B K T D"],
     pos_BT: Int[Array, "B T"],
     valid_BT: Bool[Array, "B T"],
-    slot_BKT: Int[Array, "B K T"],
+    slot_BKT: Int[Array, "B K T"] | Int[Array, ""],
 ):
-    """Scatter T new entries of one layer into the given slots of every layer's kv [L,B,K,C,..].
+    """T new entries of one layer written into the given slots of kv [L, B, K, C, ...]
+    (`layer` None: kv is that layer's own [B, K, C, ...]).
 
-    Only the written rows move (an in-place scatter inside the decode loop), not the layer.
+    Only the written rows move (in place inside the decode loop), not the layer. `slot_BKT`
+    [B, K, T] is a scatter whose slots >= C drop their row; a scalar is the first of T
+    consecutive slots shared by every element and head (an append at the cache's `end`),
+    written as one `dynamic_update_slice`: a scatter of one row cost 148 us a layer on an
+    H100 (docs/results/gpu_targets.md). The caller keeps start + T <= C (the capacity has
+    room for every appended token: `Method.decode_capacity`).
     """
-    lead = (layer,)
-    return LayerKV(
-        set_rows(kv.k, lead, slot_BKT, k_BKTD),
-        set_rows(kv.v, lead, slot_BKT, v_BKTD),
-        set_rows(kv.pos, lead, slot_BKT, jnp.broadcast_to(pos_BT[:, None, :], slot_BKT.shape)),
-        set_rows(kv.valid, lead, slot_BKT,
-                 jnp.broadcast_to(valid_BT[:, None, :], slot_BKT.shape)),
-    )
+    lead = () if layer is None else (layer,)
+    B, K = k_BKTD.shape[:2]
+    T = pos_BT.shape[1]
+    pos_BKT, valid_BKT = (jnp.broadcast_to(a[:, None, :], (B, K, T)) for a in (pos_BT, valid_BT))
+    new = (k_BKTD, v_BKTD, pos_BKT, valid_BKT)
+    if jnp.ndim(slot_BKT) == 0:
+        return LayerKV(*(_put(a, lead, slot_BKT, n) for a, n in zip(kv, new)))
+    return LayerKV(*(set_rows(a, lead, slot_BKT, n) for a, n in zip(kv, new)))
+
+
+def _put(x: Array, lead: tuple, start: Int[Array, ""], new: Array) -> Array:
+    """x [*lead, B, K, C, ...] with slots [start, start + E) of x[lead] set to new
+    [B, K, E, ...]."""
+    new = new.astype(x.dtype)[(None,) * len(lead)]
+    zero = jnp.zeros((), jnp.int32)
+    at = (*lead, zero, zero, jnp.asarray(start, jnp.int32), *(zero,) * (new.ndim - len(lead) - 3))
+    return jax.lax.dynamic_update_slice(x, new, at)
 
 
 def set_rows(x: Array, lead: tuple, slot_BKE: Int[Array, "B K E"], new: Array) -> Array:
@@ -97,6 +112,16 @@ def set_rows(x: Array, lead: tuple, slot_BKE: Int[Array, "B K E"], new: Array) -
     return x.at[idx].set(new.astype(x.dtype), mode="drop")
 
 
+
+
+def split_layers(kv: LayerKV) -> tuple[LayerKV, ...]:
+    """Each layer's entries as its own buffers (decode over per-layer buffers)."""
+    return tuple(LayerKV(*(a[i] for a in kv)) for i in range(kv.k.shape[0]))
+
+
+def stack_layers(kvs: tuple[LayerKV, ...]) -> LayerKV:
+    """`split_layers` undone: every layer's entries with a leading L axis."""
+    return LayerKV(*(jnp.stack(a) for a in zip(*kvs)))
 
 
 def pad_capacity(cache: KVCache, capacity: int) -> KVCache:

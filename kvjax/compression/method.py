@@ -250,3 +250,14 @@ class Method:
         return (not self.uses_decode_layer() and not self.steps_on_host()
                 and cls.decode_slots is Method.decode_slots and cls.pad_state is Method.pad_state
                 and cls.decode_capacity is Method.decode_capacity)
+
+    def plain_decode(self) -> bool:
+        """True when a decode step is the plain model's, appending at the cache's end:
+        `static_after_prefill` and no hook runs inside or after a step (`revival`,
+        `after_step`, `after_layers`, `extension_phases`). The engine may then run the
+        step over per-layer buffers (`Kernels.decode_layers`), where no hook can reach
+        the stacked cache."""
+        cls = type(self)
+        return (self.static_after_prefill() and self.extension_phases() is None
+                and all(getattr(cls, h) is getattr(Method, h)
+                        for h in ("revival", "revived", "after_step", "after_layers")))

@@ -134,6 +134,9 @@ class Wrapper(Method):
     def static_after_prefill(self) -> bool:
         return self.base.static_after_prefill()
 
+    def plain_decode(self) -> bool:
+        return self.base.plain_decode()
+
     # ---- the token-selection and block-pruning prefills' hooks (`protocols`) -----------
     # (forwarded by name, not by __getattr__: `hasattr(wrapper, field)` must stay False
     # for the base's fields, which code that rebuilds a method reads as "mine")

@@ -88,7 +88,7 @@ def extend_layers(
     valid_BT: Bool[Array, "B T"],
     kv: LayerKV,
     pos_BT: Int[Array, "B T"],
-    slot_LBKT: Int[Array, "L B K T"],
+    slot_LBKT: Int[Array, "L B K T"] | Int[Array, ""],
     method=None,
     state: Any = None,
     kernels: Kernels = Kernels(),
@@ -99,7 +99,8 @@ def extend_layers(
 
     Decoding is T = 1; the context-only scenario prefills the question this way on top of
     a compressed context. The new entries are written into `slot_LBKT` first (a method that
-    evicts while decoding picks the slot per layer and head), so a token attends to itself
+    evicts while decoding picks the slot per layer and head; a scalar appends at that
+    slot), so a token attends to itself
     and its chunk through the same position-based causal mask. `method` supplies the
     per-layer hooks (`revival` before the attention, `decode_layer` after it); None runs
     the plain model. A span [a, b) takes the hidden states entering layer a and returns
@@ -115,7 +116,8 @@ def extend_layers(
         if method is not None:
             kv, st = revive(p, layer, kv, st)
         q, k, v = transformer.qkv(p, cfg, x, pos_BT)
-        kv = write(kv, layer, k, v, pos_BT, valid_BT, slot_LBKT[layer])
+        kv = write(kv, layer, k, v, pos_BT, valid_BT,
+                   slot_LBKT if jnp.ndim(slot_LBKT) == 0 else slot_LBKT[layer])
         lk, lv, lp, lval = (jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)
                             for a in (kv.k, kv.v, kv.pos, kv.valid))
         ok = attention.mask(pos_BT, lp, lval, transformer.layer_window(cfg, layer))
@@ -190,3 +192,32 @@ def extend_layers(
     (x, kv, state, rows), _ = jax.lax.scan(body, (x, kv, state, rows), jnp.arange(a, b))
     kv = flush(kv, b - 1, rows)
     return x, kv, state
+
+
+def extend_per_layer(
+    layers: tuple[Params, ...],
+    cfg: ModelConfig,
+    x_BTD: Array,
+    valid_BT: Bool[Array, "B T"],
+    kvs: tuple[LayerKV, ...],
+    pos_BT: Int[Array, "B T"],
+    start: Int[Array, ""],
+    kernels: Kernels = Kernels(),
+):
+    """`extend_layers` of a plain decode step (`Method.plain_decode`) over per-layer
+    buffers: `layers` each layer's weights (`transformer.per_layer`), `kvs` each layer's
+    entries [B, K, C, ...] (`kvjax.compression.cache.split_layers`); the T new entries are
+    appended at slot `start`. A Python loop, as jax-llm-examples decodes: every layer reads
+    its own weights and KV where they lie, where the scan's slices of stacked arrays are
+    copies on a GPU (`kvjax.bench.decode_layout`). Returns (x [B, T, D], the new kvs)."""
+    x, out = x_BTD, []
+    for layer, (p, kv) in enumerate(zip(layers, kvs)):
+        q, k, v = transformer.qkv(p, cfg, x, pos_BT)
+        # the barrier keeps the write one in-place update: without it XLA (CPU, jax 0.10)
+        # fused a second copy of it into the attention, and copied the layer's cache twice
+        # a step to feed both
+        kv = jax.lax.optimization_barrier(write(kv, None, k, v, pos_BT, valid_BT, start))
+        ok = attention.mask(pos_BT, kv.pos, kv.valid, transformer.layer_window(cfg, layer))
+        x = transformer.finish_layer(p, cfg, x, attend_cached(q, kv.k, kv.v, ok, kernels))
+        out.append(kv)
+    return x, tuple(out)

@@ -24,10 +24,10 @@ from kvjax.config import ModelConfig
 from kvjax.engine import block_pruning, token_selection
 from kvjax.engine.executables import compile_once
 from kvjax.engine.inputs import positions
-from kvjax.engine.layers import extend_layers, prefill_layers
+from kvjax.engine.layers import extend_layers, extend_per_layer, prefill_layers
 from kvjax.engine.sampling import Sampling, sample
 from kvjax.models import transformer
-from kvjax.pallas.dispatch import Kernels
+from kvjax.pallas.dispatch import Kernels, note
 
 
 def compress_prompt(method: Method, params, cfg: ModelConfig, tokens_BT, valid_BT, pos_BT,
@@ -137,14 +137,11 @@ def shrink(cache, *, slots: int, capacity: int):
     return kvcache.shrink(cache, slots, capacity)
 
 
-def _slots(cache: kvcache.KVCache, state, cfg, method, B: int, T: int):
-    """[L, B, K, T] where T new entries go: the method's choice (eviction while decoding),
-    else the T slots after the cache's end."""
+def _slots(cache: kvcache.KVCache, state, method, T: int):
+    """Where T new entries go: the method's slots [L, B, K, T] (eviction while decoding),
+    else the cache's end, the first of T slots appended for every element and head."""
     slots = method.decode_slots(cache, state, T)
-    if slots is None:
-        slots = jnp.broadcast_to(cache.end + jnp.arange(T, dtype=jnp.int32),
-                                 (cfg.num_layers, B, cfg.num_kv_heads, T))
-    return slots
+    return cache.end if slots is None else slots
 
 
 def _advanced(kv, cache: kvcache.KVCache, valid_BT) -> kvcache.KVCache:
@@ -154,10 +151,10 @@ def _advanced(kv, cache: kvcache.KVCache, valid_BT) -> kvcache.KVCache:
 
 
 def _extend(params, cache: kvcache.KVCache, tokens_BT, valid_BT, cfg, method, state, kernels):
-    B, T = tokens_BT.shape
+    T = tokens_BT.shape[1]
     pos_BT = positions(valid_BT, cache.next_pos)
     x, kv, state = extend_layers(params, cfg, params["embed"][tokens_BT], valid_BT, cache.kv,
-                                 pos_BT, _slots(cache, state, cfg, method, B, T), method,
+                                 pos_BT, _slots(cache, state, method, T), method,
                                  state, kernels)
     cache = _advanced(kv, cache, valid_BT)
     state = method.after_layers(cfg, cache, state, cfg.num_layers)
@@ -193,6 +190,12 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
     """
     B = logits_BV.shape[0]
     stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
+    layered = _decode_layout(method, first, kernels) == "per_layer"
+    if layered:
+        # split once for the whole generation (one copy of the weights and the cache);
+        # the loop then carries per-layer buffers and never slices a stacked array
+        layers = transformer.per_layer(params)
+        cache = (kvcache.split_layers(cache.kv), cache.end, cache.next_pos)
 
     def cond(c):
         step, _, _, _, done, _, _, _ = c
@@ -203,8 +206,12 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
         tok, live, stopped, rng = _next_token(logits, rng, done, cfg, sampling, stops)
         out = out.at[:, step].set(tok)
         n = n + (live & ~stopped)
-        logits, cache, st = _extend(params, cache, tok[:, None], live[:, None], cfg, m, st,
-                                    kernels)
+        if layered:
+            logits, cache = _extend_layered(params, layers, cache, tok[:, None], live[:, None],
+                                            cfg, kernels)
+        else:
+            logits, cache, st = _extend(params, cache, tok[:, None], live[:, None], cfg, m, st,
+                                        kernels)
         return step + 1, cache, logits, out, done | stopped, n, rng, st
 
     out = jnp.full((B, max_new), cfg.pad_token_id, jnp.int32)
@@ -213,7 +220,31 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
     if first is not None and max_new > 0:
         init = body(init, first)
     _, cache, _, out, _, n, _, state = jax.lax.while_loop(cond, body, init)
+    if layered:
+        kvs, end, next_pos = cache
+        cache = kvcache.KVCache.of(kvcache.stack_layers(kvs), end, next_pos)
     return out, n, cache, state
+
+
+def _decode_layout(method: Method, first: Method | None, kernels: Kernels) -> str:
+    """The decode loop's layout (`Kernels.decode_layers`): per-layer buffers only for a
+    plain decode step (no hook could reach a stacked cache), recorded as used."""
+    if first is None and method.plain_decode():
+        return kernels.decode_layout()
+    note("decode_layers", "scan")
+    return "scan"
+
+
+def _extend_layered(params, layers, cache, tokens_BT, valid_BT, cfg: ModelConfig,
+                    kernels: Kernels):
+    """`_extend` of a plain step over per-layer buffers: cache = (kvs, end, next_pos)."""
+    kvs, end, next_pos = cache
+    pos_BT = positions(valid_BT, next_pos)
+    x, kvs = extend_per_layer(layers, cfg, params["embed"][tokens_BT], valid_BT, kvs, pos_BT,
+                              end, kernels)
+    cache = (kvs, end + tokens_BT.shape[1],
+             next_pos + jnp.sum(valid_BT, axis=1, dtype=jnp.int32))
+    return transformer.unembed(params, cfg, x[:, -1]), cache
 
 
 @partial(jax.jit, static_argnames=("cfg", "method", "span", "sampling", "stop_ids", "kernels"),
@@ -226,6 +257,7 @@ def decode_segment(params, cache, carry, state=None, *, cfg: ModelConfig, method
     `carry`'s logits, rng and done); the last writes the step's outputs (token, stopped,
     logits, rng). Returns (carry, cache, state)."""
     a, b = span
+    note("decode_layers", "scan")
     if a == 0:
         stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
         tok, live, stopped, rng = _next_token(carry["logits"], carry["rng"], carry["done"], cfg,
@@ -233,7 +265,7 @@ def decode_segment(params, cache, carry, state=None, *, cfg: ModelConfig, method
         valid = live[:, None]
         carry = dict(x=params["embed"][tok[:, None]], tok=tok, valid=valid, stopped=stopped,
                      rng=rng, pos=positions(valid, cache.next_pos),
-                     slots=_slots(cache, state, cfg, method, tok.shape[0], 1))
+                     slots=_slots(cache, state, method, 1))
     x, kv, state = extend_layers(params, cfg, carry["x"], carry["valid"], cache.kv, carry["pos"],
                                  carry["slots"], method, state, kernels, span)
     cache = kvcache.KVCache.of(kv, cache.end, cache.next_pos)

@@ -88,6 +88,13 @@ def layer_window(cfg: ModelConfig, layer) -> int | Int[Array, ""] | None:
     return table[layer]
 
 
+def per_layer(params: Params) -> tuple[Params, ...]:
+    """Each layer's parameters as its own buffers (a copy of the stacked [L, ...] weights):
+    what a loop over layers reads without slicing the stacked arrays at every step."""
+    return tuple(jax.tree.map(lambda w: w[i], params["layers"])
+                 for i in range(jax.tree.leaves(params["layers"])[0].shape[0]))
+
+
 def layer_slice(params: Params, layer: Int[Array, ""]) -> Params:
     """The parameters of one layer, by a (possibly traced) index."""
     return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False),

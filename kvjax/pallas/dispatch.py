@@ -29,6 +29,13 @@ OPS = ("window_scores", "compact", "decode_attention", "value_norms")
 # (`jax.nn.dot_product_attention`, cuDNN's flash attention); "fused_xla" = the same call's
 # xla implementation (it materialises the scores: small prompts and tests)
 PREFILL_ATTENTION = ("auto", "xla", "blocked", "cudnn", "fused_xla")
+# decode's layer loop: "scan" = one `lax.scan` over the stacked [L, ...] weights and cache
+# (compile time flat in depth); "per_layer" = a Python loop over per-layer buffers, split
+# once per generation, so a step reads each layer's weights and KV where they lie (the scan
+# copies each layer's slice out of the stacked arrays every step: docs/results/gpu_targets.md;
+# `kvjax.bench.decode_layout`: 33% -> 83% of the memory bound on an H100). Only for methods
+# whose decoding only appends (`Method.static_after_prefill`); the others keep the scan.
+DECODE_LAYERS = ("auto", "scan", "per_layer")
 CUDNN_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes (and fp8)
 # (backend, op) pairs whose Pallas kernel was measured faster than the xla reference on that
 # kind of device: `auto` picks Pallas only there (docs/results/gpu.md; H100, jax 0.11.2,
@@ -47,6 +54,7 @@ class Kernels:
     decode_attention: str = "auto"
     value_norms: str = "auto"
     prefill_attention: str = "auto"
+    decode_layers: str = "auto"
 
     def __post_init__(self):
         for op in OPS:
@@ -55,6 +63,9 @@ class Kernels:
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(f"kernels: prefill_attention={self.prefill_attention!r}; allowed: "
                              f"{PREFILL_ATTENTION}")
+        if self.decode_layers not in DECODE_LAYERS:
+            raise ValueError(f"kernels: decode_layers={self.decode_layers!r}; allowed: "
+                             f"{DECODE_LAYERS}")
 
     @classmethod
     def every(cls, choice: str | None) -> "Kernels":
@@ -87,6 +98,14 @@ class Kernels:
         note("prefill_attention", impl)
         return impl
 
+    def decode_layout(self) -> str:
+        """Decode's layer loop: `auto` is "per_layer" on an accelerator, "scan" on CPU
+        (where the step is compute-bound and the unrolled loop compiles slower). Recorded
+        as used when asked (callers ask while tracing the decode loop)."""
+        impl = self.decode_layers if self.decode_layers != "auto" else _auto_decode_layers()
+        note("decode_layers", impl)
+        return impl
+
     def resolved(self) -> dict[str, str]:
         """{op: implementation} on this backend, before per-input fallbacks."""
         out = {}
@@ -95,7 +114,9 @@ class Kernels:
             out[op] = impl + (" (interpreted)" if interp else "")
         auto = _auto_prompt_attention()
         return {**out, "prefill_attention": auto if self.prefill_attention == "auto"
-                else self.prefill_attention}
+                else self.prefill_attention,
+                "decode_layers": self.decode_layers if self.decode_layers != "auto"
+                else _auto_decode_layers()}
 
     def fallback(self) -> "Kernels":
         """These kernels with every op that `auto` sent to Pallas on xla instead (a run's
@@ -187,3 +208,7 @@ def pick(op: str, implementation, interpret, reasons: dict[str, str | None]
 def _auto_prompt_attention() -> str:
     backend = jax.default_backend()
     return "cudnn" if _nvidia(backend) else "blocked" if backend == "cpu" else "xla"
+
+
+def _auto_decode_layers() -> str:
+    return "scan" if jax.default_backend() == "cpu" else "per_layer"

@@ -1,0 +1,93 @@
+"""Decode's layer loop (`Kernels.decode_layers`): the loop over per-layer buffers gives the
+scan's tokens and cache, for every registered method, question-aware and context-only; and
+an append is one in-place `dynamic_update_slice` equal to the scatter it replaces."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import engine, methods
+from kvjax.compression import cache as kvcache
+from kvjax.pallas.dispatch import Kernels
+
+# in the fast suite: the plain step (full, SnapKV; full also context-only) and a method with
+# decode hooks, which keeps the scan; every other case with -m slow
+FAST = {("full", False), ("full", True), ("snapkv", False), ("h2o", False)}
+
+
+def _cases():
+    for name in methods.names():
+        for context_only in (False, True):
+            yield pytest.param(
+                name, context_only, id=f"{name}-{'context_only' if context_only else 'qa'}",
+                marks=() if (name, context_only) in FAST else pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = kvjax.load("tiny-retrieval")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(5, model.cfg.vocab_size, n).tolist() for n in (300, 260)]
+    questions = [rng.integers(5, model.cfg.vocab_size, n).tolist() for n in (12, 7)]
+    return model, prompts, questions
+
+
+def _method(name):
+    m = methods.create(name)
+    return m.with_budget(160) if m.takes_budget() else m  # SlimInfer takes >= 128 here
+
+
+@pytest.mark.parametrize("name, context_only", _cases())
+def test_per_layer_decode_equals_the_scan(setup, name, context_only):
+    model, prompts, questions = setup
+    m = _method(name)
+    runs = {lay: engine.run(model.params, model.cfg, prompts, m, max_new_tokens=6,
+                            questions=questions if context_only else None,
+                            kernels=Kernels(decode_layers=lay))
+            for lay in ("scan", "per_layer")}
+    scan, per = runs["scan"], runs["per_layer"]
+    # the plain step goes to per-layer buffers; a method with decode hooks keeps the scan
+    want = "per_layer" if m.plain_decode() else "scan"
+    assert per.stats["kernels"]["decode_layers"] == want
+    assert scan.stats["kernels"]["decode_layers"] == "scan"
+    assert per.tokens == scan.tokens
+    # the same program math on the same buffers: equal bit for bit (measured), so no
+    # tolerance; a layout that changed a sum's order would show here first
+    for f in ("k", "v", "pos", "valid", "end", "next_pos"):
+        np.testing.assert_array_equal(np.asarray(getattr(per.cache, f)),
+                                      np.asarray(getattr(scan.cache, f)), err_msg=f)
+
+
+def test_an_append_writes_what_the_scatter_writes():
+    rng = np.random.default_rng(0)
+    L, B, K, C, D, T = 3, 2, 2, 9, 4, 2
+    kv = kvcache.LayerKV(jnp.asarray(rng.normal(size=(L, B, K, C, D)), jnp.float32),
+                         jnp.asarray(rng.normal(size=(L, B, K, C, D)), jnp.float32),
+                         jnp.asarray(rng.integers(0, 50, (L, B, K, C)), jnp.int32),
+                         jnp.asarray(rng.random((L, B, K, C)) < 0.5))
+    k, v = (jnp.asarray(rng.normal(size=(B, K, T, D)), jnp.float32) for _ in range(2))
+    pos, valid = jnp.asarray([[60, 61], [70, 71]]), jnp.asarray([[True, False], [True, True]])
+    for start in (0, 4, C - T):
+        slots = jnp.broadcast_to(start + jnp.arange(T), (B, K, T))
+        for layer, part in ((1, kv), (None, kvcache.LayerKV(*(a[2] for a in kv)))):
+            got = kvcache.write(part, layer, k, v, pos, valid, jnp.int32(start))
+            want = kvcache.write(part, layer, k, v, pos, valid, slots)
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_split_and_stack_layers_round_trip():
+    kv = kvcache.LayerKV(*(jnp.arange(2 * 3 * 4, dtype=jnp.float32).reshape(2, 3, 4) + i
+                           for i in range(4)))
+    parts = kvcache.split_layers(kv)
+    assert len(parts) == 2 and parts[1].k.shape == (3, 4)
+    for a, b in zip(kvcache.stack_layers(parts), kv):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_bad_layout_is_refused():
+    with pytest.raises(ValueError, match=r"decode_layers='unrolled'; allowed: \('auto'"):
+        Kernels(decode_layers="unrolled")
