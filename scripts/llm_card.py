@@ -91,10 +91,12 @@ def _ruler_cell(r: dict) -> str:
 def _cost(r: dict, batch: int = 8) -> tuple[float, float]:
     """(seconds a sample, decode's share) from a record's own clocks: each batch's TTFT
     plus TPOT x the tokens RULER lets it write (the loop stops early only when every
-    sample of the batch has stopped, so this bounds decode from above)."""
+    sample of the batch has stopped, so this bounds decode from above). The batches are
+    the record's own count, or for records older than it, those of `batch` (the default
+    batch size)."""
     import math
 
-    batches = math.ceil(r["samples"] / batch)
+    batches = r.get("batches") or math.ceil(r["samples"] / batch)
     prefill = batches * r["ttft_s"]
     decode = batches * (r["tpot_s"] or 0) * (r["max_new_tokens"] or 0)
     return (prefill + decode) / r["samples"], decode / (prefill + decode)
@@ -122,7 +124,9 @@ def ruler_section(model: str) -> str:
     for c, n in cols:
         rs = [by[f"ruler/{t}", c, n] for t in ruler.NAMES if (f"ruler/{t}", c, n) in by]
         mean = 100 * sum(r["accuracy"] for r in rs) / len(rs)
-        avg.append(f"{mean:.1f}" + (f" ({len(rs)} tasks)" if len(rs) < len(ruler.NAMES) else ""))
+        # over a subset it is only that subset's mean, not comparable with RULER's average
+        avg.append(f"{mean:.1f}" + (f" ({len(rs)} of {len(ruler.NAMES)} tasks)"
+                                    if len(rs) < len(ruler.NAMES) else ""))
     lines.append("| **RULER average** | " + " | ".join(avg) + " |")
     solved = "\n".join(
         f"- at {c} (n={n}): " + (", ".join(t for t in ruler.NAMES if (f"ruler/{t}", c, n) in by
@@ -145,8 +149,9 @@ def ruler_section(model: str) -> str:
             "bootstrap interval. RULER's average is the mean over the tasks run.\n\n"
             + "\n".join(lines) + f"\n\nTasks solved ({100 * RULER_BAR:.0f}% or more: the tasks "
             "a compression result may use at that length):\n\n" + solved
-            + "\n\nCost on this machine (2 cores, batch 8, other work beside it; from the "
-            "records' own TTFT and TPOT, decode at RULER's tokens to generate):\n\n"
+            + "\n\nCost on this machine (2 cores, other work beside it; from the records' own "
+            "TTFT and TPOT, decode at RULER's tokens to generate; the record's batches, or for "
+            "records older than that field batches of 8):\n\n"
             + "\n".join(cost))
 
 

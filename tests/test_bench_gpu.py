@@ -22,7 +22,9 @@ def test_small_check_writes_every_section(tmp_path):
     status = {(c[2], c[3]): c[4] for c in cells if len(c) == 10}
     for kind, name in (("auto", "snapkv"), ("auto", "critical_headkv"), ("xla", "snapkv")):
         assert status.get((kind, name)) == "ok", (kind, name, status)
-    assert any(len(c) == 9 and c[3] == "ok" for c in cells)  # the roofline row
+    # the roofline rows: each (method, decode layer loop) of `ROOFLINE_VARIANTS` ran
+    roof = {(c[3], c[4]): c[5] for c in cells if len(c) == 11}
+    assert roof == {v: "ok" for v in gpu.ROOFLINE_VARIANTS}, roof
     # a second run appends its rows to the first's, each row naming its run
     assert gpu.main(["--small", "--steps", "methods", "--methods", "snapkv", "--contexts",
                      "256", "--append", "--out", str(out)]) == 0

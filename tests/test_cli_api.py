@@ -112,6 +112,7 @@ def test_cli_run_writes_records(model_dir, tmp_path):
                     "versions"):
             assert key in r
         assert r["samples"] == 3 and len(r["details"]) == 3 and 0 <= r["accuracy"] <= 1
+        assert r["batches"] == 2  # 3 samples at --batch-size 2: ttft_s is their batches' mean
         assert r["versions"]["jax"] == jax.__version__
         assert r["kv_fraction"] == pytest.approx(1.0)
         # the weights the figures belong to (a retrained model must not pass for this one)

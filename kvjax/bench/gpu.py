@@ -178,7 +178,9 @@ def roofline(model, cases, deadline, rates, variants=ROOFLINE_VARIANTS):
                 continue
             try:
                 m = kvjax.methods.create(name)
-                m = m.with_budget(n // 8) if m.takes_budget() else m
+                # 1/8 of the context (at least 64: the --small contexts are below SnapKV's
+                # window of 32 x 8)
+                m = m.with_budget(max(n // 8, 64)) if m.takes_budget() else m
                 r = kvjax.generate(model, ids if batch > 1 else ids[0], method=m,
                                    max_new_tokens=16, kernels=Kernels(decode_layers=layout))
                 flops = batch * cfg.num_layers * layer_flops(cfg, n, (n + 1) / 2)

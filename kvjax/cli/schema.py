@@ -35,7 +35,8 @@ class Weights:
 @dataclasses.dataclass(frozen=True)
 class Record:
     """One record, its fields in the order written. The optional ones (None) are left out:
-    `ruler_skip` (only when samples were skipped), a benchmark file's `benchmark`,
+    `ruler_skip` (only when samples were skipped), `batches` (records before 2026-11-28
+    lack it), a benchmark file's `benchmark`,
     `accuracy_by_dataset` and `predictions`, `note`, and `details` (with --details)."""
 
     method: str
@@ -69,6 +70,7 @@ class Record:
     machine: dict
     job: dict  # the identity --resume matches on
     ruler_skip: int | None = None
+    batches: int | None = None  # the batches the samples ran in (ttft_s, tpot_s: their mean)
     benchmark: dict | None = None
     accuracy_by_dataset: dict | None = None
     predictions: list | None = None
@@ -76,7 +78,7 @@ class Record:
     note: str | None = None
     details: list | None = None
 
-    _OPTIONAL = ("ruler_skip", "benchmark", "accuracy_by_dataset", "predictions", "note",
+    _OPTIONAL = ("ruler_skip", "batches", "benchmark", "accuracy_by_dataset", "predictions", "note",
                  "details")
 
     def as_json(self) -> dict[str, Any]:

@@ -393,6 +393,7 @@ class _Result:
             samples=len(per_sample),
             seed=args.seed,
             ruler_skip=args.ruler_skip or None,
+            batches=len(self.ttft),
             max_new_tokens=max(d.max_new),
             prompt_tokens=_prompt_tokens(d),
             accuracy=float(np.mean([r["score"] for r in per_sample])),
