@@ -13,7 +13,7 @@ def test_small_check_writes_every_section(tmp_path):
     both = "snapkv,critical_headkv"
     assert gpu.main(["--small", "--steps", "methods,roofline,kernels,xla", "--methods", both,
                      "--xla-methods", "snapkv", "--contexts", "256", "--roofline-cases",
-                     "256x1", "--out", str(out)]) == 0
+                     "256x1", "--roofline-layers", "4", "--out", str(out)]) == 0
     text = out.read_text()
     for section in ("## Every method", "## Kernels", "## Roofline"):
         assert section in text, section

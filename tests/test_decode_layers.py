@@ -13,9 +13,9 @@ from kvjax import engine, methods
 from kvjax.compression import cache as kvcache
 from kvjax.pallas.dispatch import Kernels
 
-# in the fast suite: the plain step (full, SnapKV; full also context-only) and a method with
-# decode hooks, which keeps the scan; every other case with -m slow
-FAST = {("full", False), ("full", True), ("snapkv", False), ("h2o", False)}
+# in the fast suite: the plain step (full, SnapKV; full also context-only); every other case,
+# the methods with decode hooks (which keep the scan) included, with -m slow
+FAST = {("full", False), ("full", True), ("snapkv", False)}
 
 
 def _cases():
@@ -91,3 +91,17 @@ def test_split_and_stack_layers_round_trip():
 def test_a_bad_layout_is_refused():
     with pytest.raises(ValueError, match=r"decode_layers='unrolled'; allowed: \('auto'"):
         Kernels(decode_layers="unrolled")
+
+
+def test_appends_are_in_place_in_the_compiled_decode():
+    """No copy of a layer's K or V (or of the stacked cache) in the decode program: the scan
+    at batch 1 and 2, the per-layer loop at batch 2. (The per-layer loop at batch 1 copies on
+    CPU: kvjax.bench.decode_hlo, docs/results/speed.md.)"""
+    from kvjax.bench.decode_hlo import cache_copies
+    from kvjax.bench.gpu import shape_8b
+
+    cfg = shape_8b(2, True, 512)
+    for batch, layout in ((1, "scan"), (2, "scan"), (2, "per_layer")):
+        assert cache_copies(cfg, batch, 256, layout, jnp.float32) == 0, (batch, layout)
+    # the counter sees the copies where they are
+    assert cache_copies(cfg, 1, 256, "per_layer", jnp.float32) > 0

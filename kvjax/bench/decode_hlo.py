@@ -1,0 +1,84 @@
+"""Whether decode's appends stay in place: cache-sized copies in the compiled decode loop.
+
+    PYTHONPATH=. python3 -m kvjax.bench.decode_hlo      # the 8B shape's layers, this backend
+    python -m kvjax.bench.decode_hlo --small            # tiny shapes (CPU)
+
+An append at the cache's end is one `dynamic_update_slice`, done in place when nothing
+else needs the old buffer. A program whose step copies a layer's K or V instead pays for
+the whole cache every token, which no timing of the step separates from the attention's
+own reads. This compiles `engine.steps.decode` for abstract shapes (nothing runs, no
+weights are made) with each `Kernels.decode_layers` layout, and counts the `copy` ops in
+the optimized HLO whose shape is a layer's K or V ([B, K, C, Dh]) or the stacked cache's
+([L, B, K, C, Dh]). On CPU (jax 0.10) the per-layer loop copies each layer's K and V twice a
+step at batch 1 (XLA fuses a second copy of the append into the attention, across the
+bitcast that drops the size-1 batch axis) and never at batch 2; the scan copies none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.bench.gpu import shape_8b
+
+_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+
+
+def cache_copies(cfg, batch: int, capacity: int, layout: str, dtype=jnp.bfloat16) -> int:
+    """Copies of a layer's (or the stacked) K/V buffer in `steps.decode`'s optimized HLO:
+    the full cache's plain decode step (`Method()`), 16 new tokens."""
+    from kvjax.compression.cache import KVCache
+    from kvjax.compression.method import Method
+    from kvjax.engine import steps
+    from kvjax.engine.sampling import Sampling
+    from kvjax.pallas.dispatch import Kernels
+    from kvjax.train import init_params
+
+    params = jax.eval_shape(lambda: jax.tree.map(
+        lambda w: w.astype(dtype), init_params(cfg, jax.random.PRNGKey(0))))
+    L, B, K, C, D = cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim
+    sds = jax.ShapeDtypeStruct
+    cache = KVCache(sds((L, B, K, C, D), dtype), sds((L, B, K, C, D), dtype),
+                    sds((L, B, K, C), jnp.int32), sds((L, B, K, C), jnp.bool_),
+                    sds((), jnp.int32), sds((B,), jnp.int32))
+    logits = sds((B, cfg.vocab_size), jnp.float32)
+    text = steps.decode.lower(
+        params, cache, logits, jax.random.PRNGKey(0), None, cfg=cfg, method=Method(),
+        max_new=16, sampling=Sampling(), stop_ids=(2,),
+        kernels=Kernels(decode_layers=layout)).compile().as_text()
+    dt = _DTYPES[jnp.dtype(dtype).name]
+    shapes = {f"{dt}[{B},{K},{C},{D}]", f"{dt}[{L},{B},{K},{C},{D}]"}
+    return sum(1 for m in re.finditer(r"= (\w+\[[\d,]*\])\{[^}]*\} copy\(", text)
+               if m.group(1) in shapes)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvjax.bench.decode_hlo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true", help="tiny shapes (CPU)")
+    p.add_argument("--layers", type=int, default=4,
+                   help="layers of the shape (each layer's program is the same)")
+    p.add_argument("--cases", default="32768x1,8192x8,8192x1",
+                   help="CAPACITYxBATCH comma list")
+    a = p.parse_args(argv)
+    cases = "512x1,512x2" if a.small else a.cases
+    cfg = shape_8b(a.layers, a.small, max(int(c.split("x")[0]) for c in cases.split(",")))
+    dtype = jnp.float32 if a.small else jnp.bfloat16
+    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; {a.layers} layers, "
+          f"kv heads {cfg.num_kv_heads}, head dim {cfg.head_dim}, {jnp.dtype(dtype).name}")
+    print("| capacity | batch | decode layers | K/V-sized copies in the decode program |")
+    print("|---|---|---|---|")
+    for c in cases.split(","):
+        n, b = (int(v) for v in c.split("x"))
+        for layout in ("scan", "per_layer"):
+            print(f"| {n} | {b} | {layout} | {cache_copies(cfg, b, n, layout, dtype)} |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
