@@ -213,10 +213,10 @@ def extend_per_layer(
     x, out = x_BTD, []
     for layer, (p, kv) in enumerate(zip(layers, kvs)):
         q, k, v = transformer.qkv(p, cfg, x, pos_BT)
-        # the barrier keeps the write one in-place update: without it XLA (CPU, jax 0.10)
-        # fused a second copy of it into the attention, and copied the layer's cache twice
-        # a step to feed both
-        kv = jax.lax.optimization_barrier(write(kv, None, k, v, pos_BT, valid_BT, start))
+        # in place, except at batch 1 on CPU (jax 0.10), where XLA fuses a second copy of
+        # the append into the attention and copies the layer's K and V to feed both
+        # (`kvjax.bench.decode_hlo`; an optimization barrier does not stop it)
+        kv = write(kv, None, k, v, pos_BT, valid_BT, start)
         ok = attention.mask(pos_BT, kv.pos, kv.valid, transformer.layer_window(cfg, layer))
         x = transformer.finish_layer(p, cfg, x, attend_cached(q, kv.k, kv.v, ok, kernels))
         out.append(kv)

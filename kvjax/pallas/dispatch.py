@@ -34,7 +34,7 @@ PREFILL_ATTENTION = ("auto", "xla", "blocked", "cudnn", "fused_xla")
 # once per generation, so a step reads each layer's weights and KV where they lie (the scan
 # copies each layer's slice out of the stacked arrays every step: docs/results/gpu_targets.md;
 # `kvjax.bench.decode_layout`: 33% -> 83% of the memory bound on an H100). Only for methods
-# whose decoding only appends (`Method.static_after_prefill`); the others keep the scan.
+# whose decode step is the plain model's (`Method.plain_decode`); the others keep the scan.
 DECODE_LAYERS = ("auto", "scan", "per_layer")
 CUDNN_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes (and fp8)
 # (backend, op) pairs whose Pallas kernel was measured faster than the xla reference on that
