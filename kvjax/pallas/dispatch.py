@@ -35,6 +35,9 @@ PREFILL_ATTENTION = ("auto", "xla", "blocked", "cudnn", "fused_xla")
 # copies each layer's slice out of the stacked arrays every step: docs/results/gpu_targets.md;
 # `kvjax.bench.decode_layout`: 33% -> 83% of the memory bound on an H100). Only for methods
 # whose decode step is the plain model's (`Method.plain_decode`); the others keep the scan.
+# `auto` is the scan everywhere: on an H200 (2026-11-28, docs/results/gpu.md run 4) the
+# per-layer loop ran the full cache at 50-56% of the bound at batch 1 (scan 39-41%) but at
+# 11% at 8k batch 8 (scan 40%), for a reason not yet profiled.
 DECODE_LAYERS = ("auto", "scan", "per_layer")
 CUDNN_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes (and fp8)
 # (backend, op) pairs whose Pallas kernel was measured faster than the xla reference on that
@@ -99,9 +102,9 @@ class Kernels:
         return impl
 
     def decode_layout(self) -> str:
-        """Decode's layer loop: `auto` is "per_layer" on an accelerator, "scan" on CPU
-        (where the step is compute-bound and the unrolled loop compiles slower). Recorded
-        as used when asked (callers ask while tracing the decode loop)."""
+        """Decode's layer loop: `auto` is "scan" (see DECODE_LAYERS: the per-layer loop is
+        faster at batch 1 on a GPU, 3.6x slower at batch 8, and compiles 3-4x slower on
+        CPU). Recorded as used when asked (callers ask while tracing the decode loop)."""
         impl = self.decode_layers if self.decode_layers != "auto" else _auto_decode_layers()
         note("decode_layers", impl)
         return impl
@@ -211,4 +214,4 @@ def _auto_prompt_attention() -> str:
 
 
 def _auto_decode_layers() -> str:
-    return "scan" if jax.default_backend() == "cpu" else "per_layer"
+    return "scan"
