@@ -1,4 +1,7 @@
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -22,3 +25,40 @@ def pytest_configure(config):
     test_d2o_code, never reproduced since)."""
     if config.pluginmanager.hasplugin("xdist") and config.option.maxworkerrestart is None:
         config.option.maxworkerrestart = "0"
+    _native_stderr_to_a_file(config)
+
+
+# Each xdist worker's fd 2 (native writes: XLA's LOG lines, a crash's own message,
+# faulthandler's dump) goes to a file, printed after the run's last line (`pytest_unconfigure`).
+# Live it would sit far above the summary, and a CI log that keeps only its tail lost the
+# message of the crash of 2026-11-28 (test_decode_layers, under the CI's jax 0.10.2).
+# A file, not a pipe: what a process writes before it aborts is in the file already.
+_DIR_ENV = "KVJAX_WORKER_STDERR_DIR"
+
+
+def _native_stderr_to_a_file(config):
+    worker = getattr(config, "workerinput", None)
+    if worker is None:
+        if config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None):
+            # inherited by the workers xdist starts after this hook
+            os.environ[_DIR_ENV] = tempfile.mkdtemp(prefix="kvjax-worker-stderr-")
+    elif os.environ.get(_DIR_ENV):
+        path = Path(os.environ[_DIR_ENV]) / f"{worker['workerid']}.log"
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), 2)
+
+
+def pytest_unconfigure(config):
+    """The workers' native stderr, after the run's last line (a log cut to its tail keeps
+    it), faulthandler's stack frames left out (the failing test is named above)."""
+    d = os.environ.get(_DIR_ENV)
+    if d is None or hasattr(config, "workerinput") or not Path(d).is_dir():
+        return
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    for log in sorted(Path(d).glob("*.log")):
+        lines = [x for x in log.read_text(errors="replace").splitlines()
+                 if not x.startswith('  File "')]
+        if lines and tr is not None:
+            tr.write_sep("-", f"native stderr of worker {log.stem} (fd 2; last "
+                         f"{min(len(lines), 25)} of {len(lines)} lines, stack frames left out)")
+            tr.write_line("\n".join(lines[-25:]))
+    shutil.rmtree(d, ignore_errors=True)

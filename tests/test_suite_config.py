@@ -39,6 +39,10 @@ def test_a_native_abort_ends_the_run_and_keeps_its_message(tmp_path):
     # fd-level capture kept this line in the test's unlinked capture file, lost with the
     # worker; --capture=sys leaves fd 2 alone
     assert "Check failed: the native message" in out, out[-3000:]
+    # ... and it comes after the run's last line (conftest), where a log cut to its tail
+    # (CI's) still shows it
+    assert r.stdout.rindex("Check failed: the native message") > r.stdout.rindex(" in "), \
+        r.stdout[-3000:]
     assert "worker 'gw0' crashed while running 'test_crash.py::test_abort'" in out
     # --max-worker-restart 0 (conftest): no replacement worker runs what is left
     summary = [line for line in out.splitlines() if " in " in line and "failed" in line][-1]

@@ -14,8 +14,9 @@ later steps keep (`RESERVE_S`); what does not fit is listed as not run:
   per-layer buffers and over the layer scan, and SnapKV at 1/8 (`ROOFLINE_VARIANTS`): MFU = prefill
   FLOPs / TTFT / the bf16 matmul rate measured in this run; the bound = (weight bytes +
   live KV bytes) / the copy bandwidth measured in this run;
-- profile: device time per op (jax.profiler) of a full-cache prefill and decode step at
-  the largest context; the Perfetto traces land beside `--out`;
+- profile: device time per op (jax.profiler) of a full-cache prefill and decode step for
+  each `--profile-cases` (context x batch : decode layer loop; default the largest context,
+  batch 1); the Perfetto traces land beside `--out`;
 - kernels: `python -m kvjax.bench.kernels` (each kernel op against its xla reference);
 - xla: `--xla-methods` again with every kernel xla (the comparison);
 - tests: the fast tests on this backend (`pytest -m "not slow"` over `--tests`, in
@@ -31,10 +32,12 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -195,27 +198,33 @@ def roofline(model, cases, deadline, rates, variants=ROOFLINE_VARIANTS):
     return rows
 
 
-def profile(model, n: int, out_dir: Path) -> str:
-    """Device time per op for the full cache at `n` tokens: a prefill (1 new token) and a
-    prefill + 32 tokens, each traced with `jax.profiler` (Perfetto JSON under `out_dir`);
-    the decode column is the difference of the two."""
+def profile(model, n: int, out_dir: Path, batch: int = 1, layout: str = "auto") -> str:
+    """Device time per op for the full cache at `n` tokens x `batch` with the decode layer
+    loop `layout` (`Kernels.decode_layers`): a prefill (1 new token) and a prefill + 32
+    tokens, each traced with `jax.profiler` (Perfetto JSON under `out_dir`); the decode
+    column is the difference of the two over 31 tokens (so a once-per-generation cost,
+    such as splitting the cache into per-layer buffers, is in it divided by 31)."""
     import collections
     import gzip
     import shutil
     import tempfile
 
     import kvjax
+    from kvjax.pallas import Kernels
 
-    ids = [int(x) for x in np.random.default_rng(3).integers(3, model.cfg.vocab_size - 1, n)]
-    kvjax.generate(model, ids, max_new_tokens=32)  # compiles outside the traces
-    totals = {}
+    rng = np.random.default_rng(3)
+    ids = [[int(x) for x in rng.integers(3, model.cfg.vocab_size - 1, n)] for _ in range(batch)]
+    gen = partial(kvjax.generate, model, ids if batch > 1 else ids[0],
+                  kernels=Kernels(decode_layers=layout))
+    gen(max_new_tokens=32)  # compiles outside the traces
+    totals, tag = {}, f"{n}x{batch}_{layout}"
     for label, new in (("prefill", 1), ("gen32", 32)):
         d = Path(tempfile.mkdtemp()) / label
         with jax.profiler.trace(str(d), create_perfetto_trace=True):
-            kvjax.generate(model, ids, max_new_tokens=new)
+            r = gen(max_new_tokens=new)
         f = next(d.rglob("perfetto_trace.json.gz"))
         if f.stat().st_size < 15 * 2**20:
-            shutil.copy(f, out_dir / f"trace_{label}.json.gz")
+            shutil.copy(f, out_dir / f"trace_{tag}_{label}.json.gz")
         ev = json.load(gzip.open(f))
         ev = ev["traceEvents"] if isinstance(ev, dict) else ev
         procs = {e["pid"]: e["args"]["name"] for e in ev
@@ -234,12 +243,14 @@ def profile(model, n: int, out_dir: Path) -> str:
         totals[label] = ops or streams
         if not totals[label]:
             return f"no device events in the trace (processes: {sorted(set(procs.values()))})"
-    pre, gen = totals["prefill"], totals["gen32"]
-    lines = [f"{'op':70} {'prefill ms':>11} {'decode ms/tok':>14}"]
-    for name, _ in (pre + gen).most_common(25):
-        lines.append(f"{name:70} {pre[name]:11.2f} {(gen[name] - pre[name]) / 31:14.3f}")
+    pre, g32 = totals["prefill"], totals["gen32"]
+    lines = [f"{n} tokens x {batch}, decode_layers {r.stats['kernels']['decode_layers']}, "
+             f"tpot {r.stats['tpot_s'] * 1e3:.2f} ms (wall, 32 tokens)",
+             f"{'op':70} {'prefill ms':>11} {'decode ms/tok':>14}"]
+    for name, _ in (pre + g32).most_common(25):
+        lines.append(f"{name:70} {pre[name]:11.2f} {(g32[name] - pre[name]) / 31:14.3f}")
     lines.append(f"{'total':70} {sum(pre.values()):11.2f} "
-                 f"{(sum(gen.values()) - sum(pre.values())) / 31:14.3f}")
+                 f"{(sum(g32.values()) - sum(pre.values())) / 31:14.3f}")
     return "\n".join(lines)
 
 
@@ -300,7 +311,8 @@ def report(runs, rows, roof) -> str:
         lines += [f"Run {i}: {env['device']}, jax {env['jax']}, backend {env['backend']}, "
                   f"commit {env['commit']}, {env['date']}; `{env['command']}`. Denominators "
                   f"measured in this run: bf16 matmul {env['tflops']:.3g} TFLOP/s, copy "
-                  f"{env['tbs']:.3g} TB/s. Fast tests: {env['tests']}", ""]
+                  f"{env['tbs']:.3g} TB/s. Fast tests: {env['tests']}"
+                  + (f". XLA_FLAGS: `{env['xla_flags']}`" if env.get("xla_flags") else ""), ""]
     full = {(r["run"], r["context"], r["kernels"]): r.get("ttft_s") for r in rows
             if r["method"] == "full"}
     lines += ["## Every method (random weights, `--layers` of the 8B shape)", "",
@@ -357,11 +369,15 @@ def main(argv=None) -> int:
                    help="layers of the roofline and profile model (the 8B shape has 32)")
     p.add_argument("--roofline-cases", default=None,
                    help="CONTEXTxBATCH comma list (default: each context x1, the smallest x8)")
+    p.add_argument("--profile-cases", default=None,
+                   help="CONTEXTxBATCH:LAYOUT comma list for the profile step (LAYOUT: a "
+                   "Kernels.decode_layers value; default: the largest context x1:auto)")
     p.add_argument("--append", action="store_true",
                    help="add this run's rows to those in the --out file's .jsonl")
     p.add_argument("--out", type=Path, default=ROOT / "docs/results/gpu.md")
     a = p.parse_args(argv)
     from kvjax import engine, methods
+    from kvjax.pallas.dispatch import DECODE_LAYERS
 
     steps = a.steps.split(",")
     if bad := [s for s in steps if s not in STEPS]:
@@ -382,7 +398,8 @@ def main(argv=None) -> int:
                backend=jax.default_backend(), commit=commit(),
                date=time.strftime("%Y-%m-%d"), command="python -m kvjax.bench.gpu "
                + " ".join(argv if argv is not None else sys.argv[1:]),
-               tflops=rates[0] / 1e12, tbs=rates[1] / 1e12, tests="not run")
+               tflops=rates[0] / 1e12, tbs=rates[1] / 1e12, tests="not run",
+               xla_flags=os.environ.get("XLA_FLAGS", ""))
     runs.append(env)
     a.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -394,6 +411,13 @@ def main(argv=None) -> int:
 
     cases = ([tuple(int(v) for v in c.split("x")) for c in a.roofline_cases.split(",")]
              if a.roofline_cases else [(n, 1) for n in contexts] + [(min(contexts), 8)])
+    profile_cases = []
+    for c in (a.profile_cases or f"{max(contexts)}x1:auto").split(","):
+        m = re.fullmatch(r"(\d+)x(\d+):(\w+)", c)
+        if not m or m[3] not in DECODE_LAYERS:
+            p.error(f"--profile-cases: {c!r} is not CONTEXTxBATCH:LAYOUT with LAYOUT one of "
+                    f"{DECODE_LAYERS}")
+        profile_cases.append(((int(m[1]), int(m[2])), m[3]))
     models: dict = {}  # one random model per depth for the run (an 8B init takes seconds)
 
     def model_of(layers: int):
@@ -409,11 +433,19 @@ def main(argv=None) -> int:
             model = model_of(a.roofline_layers)
             if step == "roofline":
                 roof += [dict(r, run=run) for r in roofline(model, cases, until, rates)]
-            elif time.perf_counter() < until - 30:
-                try:
-                    env["profile"] = profile(model, max(contexts), a.out.parent)
-                except Exception:
-                    env["profile"] = traceback.format_exc(limit=4)
+            else:
+                parts = []
+                for (n, batch), layout in profile_cases:
+                    if time.perf_counter() > until - 30:
+                        parts.append(f"{n} tokens x {batch}, {layout}: not run (time budget)")
+                        continue
+                    try:
+                        parts.append(profile(model, n, a.out.parent, batch, layout))
+                    except Exception:
+                        parts.append(traceback.format_exc(limit=4))
+                    print(parts[-1], file=sys.stderr, flush=True)  # kept if the run is cut
+                    engine.clear_compiled()
+                env["profile"] = "\n\n".join(parts)
             engine.clear_compiled()
         elif step in ("methods", "xla"):
             which = (names, "auto") if step == "methods" else (a.xla_methods.split(","), "xla")

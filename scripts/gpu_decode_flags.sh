@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call (issue 52, after gpu.md runs 5-7): decode's device and wall time per token
+# at 8k x 8 on 16 of the 8B shape's 32 layers (the whole 32 do not fit an 80 GB H100 with
+# the per-layer loop's per-generation copy), per-layer loop and scan, under XLA flags that
+# may close what the profiles showed: the GPU idle ~1.4 ms a step after the loop
+# condition's copy to the host (command buffers capturing the loop), and the scan's slice
+# copies (dynamic-slice fusion into the matmuls). One process per flag set (a flag this
+# XLA does not know stops that process only); each appends its run to $OUT/gpu.md.
+# Usage on the device: KVJAX_COMMIT=<hash> bash scripts/gpu_decode_flags.sh   (~5 minutes)
+# On CPU, a try-out: SMALL=1 OUT=/tmp/out bash scripts/gpu_decode_flags.sh
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=.
+CASES=8192x8:per_layer,8192x8:scan; N=8192; S=""; L=16
+if [ -n "$SMALL" ]; then CASES=512x2:per_layer,512x2:scan; N=512; S=--small; L=4; fi
+mkdir -p "$OUT"
+cp docs/results/gpu.jsonl docs/results/gpu.md $OUT/
+for flags in "" \
+    "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
+    "--xla_gpu_enable_dynamic_slice_fusion=true"; do
+  echo "== XLA_FLAGS='$flags'" | tee -a $OUT/log.txt
+  XLA_FLAGS="$flags" timeout 150 python3 -m kvjax.bench.gpu $S --append --out $OUT/gpu.md \
+    --steps profile --contexts $N --roofline-layers $L --profile-cases $CASES --budget-s 140 \
+    2>&1 | grep -v "^W[0-9]" | tee -a $OUT/log.txt | tail -4
+done
