@@ -4,15 +4,20 @@
 # the per-layer loop's per-generation copy), per-layer loop and scan, under XLA flags that
 # may close what the profiles showed: the GPU idle ~1.4 ms a step after the loop
 # condition's copy to the host (command buffers capturing the loop), and the scan's slice
-# copies (dynamic-slice fusion into the matmuls). One process per flag set (a flag this
-# XLA does not know stops that process only); each appends its run to $OUT/gpu.md.
-# Usage on the device: KVJAX_COMMIT=<hash> bash scripts/gpu_decode_flags.sh   (~5 minutes)
+# copies (dynamic-slice fusion into the matmuls). Before them, `kvjax.bench.decode_layout`
+# (~1 minute): per-layer buffers against static slices of the stacked arrays. One process
+# per flag set (a flag this XLA does not know stops that process only); each appends its
+# run to $OUT/gpu.md.
+# Usage on the device: KVJAX_COMMIT=<hash> bash scripts/gpu_decode_flags.sh   (~7 minutes)
 # On CPU, a try-out: SMALL=1 OUT=/tmp/out bash scripts/gpu_decode_flags.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=.
 CASES=8192x8:per_layer,8192x8:scan; N=8192; S=""; L=16
 if [ -n "$SMALL" ]; then CASES=512x2:per_layer,512x2:scan; N=512; S=--small; L=4; fi
 mkdir -p "$OUT"
 cp docs/results/gpu.jsonl docs/results/gpu.md $OUT/
+# first, the one-step probe: may the loop read static slices of the stacked arrays (no
+# per-generation copy), inside a loop as decode runs it?
+timeout 150 python3 -m kvjax.bench.decode_layout $S 2>&1 | tee $OUT/decode_layout.txt
 for flags in "" \
     "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
     "--xla_gpu_enable_dynamic_slice_fusion=true"; do

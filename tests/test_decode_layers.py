@@ -105,3 +105,32 @@ def test_appends_are_in_place_in_the_compiled_decode():
         assert cache_copies(cfg, batch, 256, layout, jnp.float32) == 0, (batch, layout)
     # the counter sees the copies where they are
     assert cache_copies(cfg, 1, 256, "per_layer", jnp.float32) > 0
+
+
+def test_the_layout_probe_computes_one_step_every_way():
+    """`kvjax.bench.decode_layout`'s layouts (the GPU probe) are the same step: the scan,
+    per-layer buffers and static slices of the stacked arrays, alone and 8 steps in a loop.
+    float32, tolerance 1e-5 of the output's scale: the layouts may fuse, so sum, in another
+    order (seen: ~1e-7); 1e-4 against 8 scan steps, whose differences feed the next step."""
+    import jax
+
+    from kvjax.bench import decode_layout as dl
+
+    L, H, F, K, D, C, B = 3, 32, 64, 2, 8, 40, 2
+    keys = iter(jax.random.split(jax.random.PRNGKey(0), 12))
+    shapes = [(H, 2 * K * D), (H, K * D), (H, K * D), (2 * K * D, H), (H, F), (H, F), (F, H)]
+    w_L = tuple(0.2 * jax.random.normal(next(keys), (L, *s)) for s in shapes)
+    k_L, v_L = (jax.random.normal(next(keys), (L, B, K, C, D)) for _ in range(2))
+    x = jax.random.normal(next(keys), (B, H))
+    ws = [tuple(w[i] for w in w_L) for i in range(L)]
+    ks, vs = list(k_L), list(v_L)
+    one = np.asarray(dl.step_scan(x, w_L, k_L, v_L))
+    tol = dict(rtol=1e-5, atol=1e-5 * np.abs(one).max())
+    np.testing.assert_allclose(np.asarray(dl.step_unrolled(x, ws, ks, vs)), one, **tol)
+    np.testing.assert_allclose(np.asarray(dl.step_static(x, w_L, k_L, v_L)), one, **tol)
+    loop = np.asarray(dl.steps_unrolled(x, ws, ks, vs))
+    want = x
+    for _ in range(dl.STEPS_IN_LOOP):
+        want = dl.step_scan(want, w_L, k_L, v_L)
+    np.testing.assert_allclose(loop, np.asarray(want), rtol=1e-4, atol=1e-4 * np.abs(loop).max())
+    np.testing.assert_allclose(np.asarray(dl.steps_static(x, w_L, k_L, v_L)), loop, **tol)

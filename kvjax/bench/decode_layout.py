@@ -7,7 +7,9 @@ against a Python loop over per-layer arrays, on one decoder step of the 8B shape
 Why: docs/results/gpu_targets.md found the full-cache decode step at 29% of its memory
 bound, most of the rest spent copying each layer's slice of the stacked weights (and K)
 before the gemms read it. This measures what a per-layer layout would gain before the
-engine is rebuilt around it. The step is a Llama layer stripped to its memory traffic:
+engine is rebuilt around it, and whether the per-layer loop needs per-layer buffers at all:
+the same loop over static slices of the stacked arrays, alone and inside a `fori_loop`
+(decode's while loop), where XLA may slice in place, copy every step, or hoist the copies. The step is a Llama layer stripped to its memory traffic:
 q/k/v/o projections, grouped-query attention over a read-only cache of `context` rows,
 the SwiGLU MLP (no norms, RoPE or cache write). % of bound = (weight + cache bytes) / the
 copy bandwidth measured in the same run, over the measured step time.
@@ -51,6 +53,32 @@ def step_unrolled(x_BH, ws, ks, vs):
     return x_BH
 
 
+def _static(x_BH, w_L, k_LBKCD, v_LBKCD):
+    """The unrolled loop over the stacked arrays, each layer a static slice: no per-layer
+    copy made ahead of the step (what the engine's per-layer loop now splits once per
+    generation, holding a second copy of the weights and cache: docs/results/speed.md)."""
+    for i in range(k_LBKCD.shape[0]):
+        x_BH = _layer(x_BH, tuple(w[i] for w in w_L), k_LBKCD[i], v_LBKCD[i])
+    return x_BH
+
+
+step_static = jax.jit(_static)
+STEPS_IN_LOOP = 8
+
+
+@jax.jit
+def steps_static(x_BH, w_L, k_LBKCD, v_LBKCD):
+    """STEPS_IN_LOOP steps of `_static` in one `fori_loop`, as decode runs them: whether
+    XLA slices in place, copies every step, or hoists the slices out of the loop."""
+    return jax.lax.fori_loop(0, STEPS_IN_LOOP,
+                             lambda _, x: _static(x, w_L, k_LBKCD, v_LBKCD), x_BH)
+
+
+@jax.jit
+def steps_unrolled(x_BH, ws, ks, vs):
+    return jax.lax.fori_loop(0, STEPS_IN_LOOP, lambda _, x: step_unrolled(x, ws, ks, vs), x_BH)
+
+
 def _time(f, *args, repeats: int = 20) -> float:
     f(*args).block_until_ready()
     t0 = time.perf_counter()
@@ -74,12 +102,15 @@ def case(layers, hidden, inter, heads, kv_heads, head_dim, context, batch, bw):
     nbytes = sum(a.nbytes for a in (*w_L, k_L, v_L))
     out = dict(context=context, batch=batch, bound_ms=1e3 * nbytes / bw)
     out["scan_ms"] = 1e3 * _time(step_scan, x, w_L, k_L, v_L)
+    out["static_ms"] = 1e3 * _time(step_static, x, w_L, k_L, v_L)
+    out["static_loop_ms"] = 1e3 * _time(steps_static, x, w_L, k_L, v_L) / STEPS_IN_LOOP
     # per-layer buffers: split, then free the stacked copies (device memory)
     ws = [tuple(w[i] for w in w_L) for i in range(layers)]
     ks, vs = [k_L[i] for i in range(layers)], [v_L[i] for i in range(layers)]
     jax.block_until_ready((ws, ks, vs))
     del w_L, k_L, v_L
     out["unrolled_ms"] = 1e3 * _time(step_unrolled, x, ws, ks, vs)
+    out["unrolled_loop_ms"] = 1e3 * _time(steps_unrolled, x, ws, ks, vs) / STEPS_IN_LOOP
     return out
 
 
@@ -95,14 +126,19 @@ def main(argv=None) -> int:
     bw = measured_rates(a.small)[1]
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"copy {bw / 1e12:.2f} TB/s; layers, hidden, inter, heads, kv, d = {shape}")
-    print("| context | batch | bound ms | scan ms | % of bound | unrolled ms | % of bound |")
-    print("|---|---|---|---|---|---|---|")
+    # scan / unrolled: one step; static: unrolled over static slices of the stacked arrays;
+    # "in a loop": the step's time inside a fori_loop of STEPS_IN_LOOP steps
+    cols = ("scan", "unrolled", "unrolled_loop", "static", "static_loop")
+    print(f"ms a step (% of bound); in a loop = {STEPS_IN_LOOP} steps in one fori_loop")
+    print("| context | batch | bound ms | scan | per-layer buffers | the same, in a loop | "
+          "static slices | the same, in a loop |")
+    print("|---" * (3 + len(cols)) + "|")
     for c in ",".join(cases).split(","):
         n, b = (int(v) for v in c.split("x"))
         r = case(*shape, n, b, bw)
-        print(f"| {n} | {b} | {r['bound_ms']:.2f} | {r['scan_ms']:.2f} | "
-              f"{100 * r['bound_ms'] / r['scan_ms']:.0f}% | {r['unrolled_ms']:.2f} | "
-              f"{100 * r['bound_ms'] / r['unrolled_ms']:.0f}% |", flush=True)
+        cells = " | ".join(f"{r[k + '_ms']:.2f} ({100 * r['bound_ms'] / r[k + '_ms']:.0f}%)"
+                           for k in cols)
+        print(f"| {n} | {b} | {r['bound_ms']:.2f} | {cells} |", flush=True)
     return 0
 
 

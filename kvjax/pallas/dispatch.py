@@ -37,7 +37,10 @@ PREFILL_ATTENTION = ("auto", "xla", "blocked", "cudnn", "fused_xla")
 # whose decode step is the plain model's (`Method.plain_decode`); the others keep the scan.
 # `auto` is the scan everywhere: on an H200 (2026-11-28, docs/results/gpu.md run 4) the
 # per-layer loop ran the full cache at 50-56% of the bound at batch 1 (scan 39-41%) but at
-# 11% at 8k batch 8 (scan 40%), for a reason not yet profiled.
+# 11% at 8k batch 8 (scan 40%); on an H100 (runs 5-7) the 32-layer loop ran out of memory
+# at 8k x 4 and x 8: the per-generation split holds a second copy of the layer weights and
+# of the cache (21 GiB at 8k x 8). On 16 layers it took 0.47 of the scan's device time a
+# token (speed.md, "Why the loop lost").
 DECODE_LAYERS = ("auto", "scan", "per_layer")
 CUDNN_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes (and fp8)
 # (backend, op) pairs whose Pallas kernel was measured faster than the xla reference on that
