@@ -326,6 +326,38 @@ def test_cli_late_failure_keeps_records_and_resumes(model_dir, tmp_path, capsys,
     del engine
 
 
+_TIMING = ("ttft_s", "ttft_own_s", "tpot_s", "compile_s", "machine", "versions")
+
+
+def test_cli_resume_keeps_the_finished_batches(model_dir, tmp_path, capsys, monkeypatch):
+    """A sweep stopped in its second chunk (every record of a task finishes in its last
+    chunk) keeps the first chunk's batches beside the .jsonl; --resume runs only the
+    second chunk, and the records equal an unstopped sweep's (timings aside); a finished
+    run leaves no batches file."""
+    from kvjax import report
+
+    def sweep(out, *extra):  # two samples, a chunk each
+        return [*_sweep(model_dir, out, "--batch-size", "1", "--details", *extra),
+                "--samples", "2"]
+
+    whole = tmp_path / "whole.jsonl"
+    assert _main(capsys, *sweep(whole))[0] == 0
+    out = tmp_path / "r.jsonl"
+    # 3 jobs, a chunk per sample: runs 1-3 are chunk 0; in chunk 1 run 4 finishes full's
+    # record and run 5 (streaming_llm at 48) is stopped
+    _failing_on(monkeypatch, 5, KeyboardInterrupt())
+    rc, _ = _main(capsys, *sweep(out))
+    side = tmp_path / "r.jsonl.batches"
+    assert rc == 130 and [r["method"] for r in report.load_records(out)] == ["full"]
+    assert len(side.read_text().splitlines()) == 4
+    calls = _failing_on(monkeypatch, 0, None)
+    rc, err = _main(capsys, *sweep(out, "--resume"))
+    assert rc == 0 and "1 of 3 records already in" in err and "4 finished batches" in err, err
+    assert len(calls) == 2 and not side.exists()  # streaming_llm's chunk 1, nothing of chunk 0
+    drop = lambda rs: [{k: v for k, v in r.items() if k not in _TIMING} for r in rs]  # noqa: E731
+    assert drop(report.load_records(out)) == drop(report.load_records(whole))
+
+
 def test_cli_ctrl_c_keeps_records_in_process(model_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "r.json"
     _failing_on(monkeypatch, 2, KeyboardInterrupt())

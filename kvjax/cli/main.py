@@ -8,7 +8,9 @@ A sweep never loses a result (docs/reliability.md): the whole product -- every m
 every budget on every task's prompts, and the output path -- is checked before any work
 starts; each record is written as soon as it is measured (`--output x.json`: the JSON
 object rewritten atomically; `x.jsonl`: one line appended), so an error, a crash or
-Ctrl-C keeps every finished record, and `--resume` runs only what the output lacks. An
+Ctrl-C keeps every finished record, and `--resume` runs only what the output lacks (a
+`.jsonl` output also keeps each finished batch of the records still running in
+`<output>.batches`, so a resumed sweep does not run them again: `records.Batches`). An
 existing output is replaced only with `--overwrite`. A bad input is one line,
 `error: <what, the bad value, what is allowed>`, and exit status 2 (`--debug` shows the
 traceback).
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from kvjax.cli.args import (EXIT_USAGE, UsageError, check_scope, check_tasks, make_mesh,
                             parse_args, split_pairs)
-from kvjax.cli.records import Output, check_resume, kept_message, one_line
+from kvjax.cli.records import Batches, Output, check_resume, kept_message, one_line
 from kvjax.cli.signals import (PENDING, exit_now, on_sigint, on_sigterm, quiet_unraisable,
                                sigint_deferred, stop_status, stopped)
 from kvjax.cli.sweep import Job, configured, job_key, measure, plan, settings_of
@@ -157,10 +159,12 @@ def _main(argv: list[str]) -> int:
                 "another --output")
     done = out.done()
     todo = [j for j in jobs if job_key(j, settings) not in done]
+    batches = Batches(out, args.resume)
     if args.resume:
         print(f"resume: {len(jobs) - len(todo)} of {len(jobs)} records already in "
-              f"{args.output}", file=sys.stderr)
-    status = _run(model, todo, args, settings, out)
+              f"{args.output}" + (f", {len(batches.items)} finished batches of the others in "
+                                  f"{batches.path}" if batches.items else ""), file=sys.stderr)
+    status = _run(model, todo, args, settings, out, batches)
     for line in omitted:  # said again where a long run's reader looks: its end
         print(f"note: {line}", file=sys.stderr)
     return status
@@ -169,7 +173,7 @@ def _main(argv: list[str]) -> int:
 _CELL = ("method", "budget", "ratio", "task", "context")  # what a sweep's product names
 
 
-def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
+def _run(model, jobs: list[Job], args, settings: dict, out: Output, batches: Batches) -> int:
     """Measure the jobs in order, writing each record as it finishes. An error or Ctrl-C
     leaves every finished record in the output and says how to continue."""
     from tqdm import tqdm
@@ -185,7 +189,7 @@ def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
                   unit="sample",
                   file=sys.stderr) as pbar:
             pbar.set_description(f"{len(jobs)} records")
-            for job, rec in measure(model, jobs, args, settings, pbar, at):
+            for job, rec in measure(model, jobs, args, settings, pbar, at, batches):
                 with sigint_deferred():  # on disk and counted, or neither
                     out.add(rec, meta())
                     finished += 1
@@ -211,6 +215,7 @@ def _run(model, jobs: list[Job], args, settings: dict, out: Output) -> int:
         raise UsageError(f"{at.get('job', jobs[0]).label()} failed: {what}; "
                          f"{kept_message(out, finished, len(jobs), args.overwrite)}") from e
     out.write(meta(), complete=True)
+    batches.finish()
     if args.output:
         n = len(out.records)
         print(f"wrote {finished} record{'s' if finished != 1 else ''} to {args.output}"

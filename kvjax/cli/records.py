@@ -166,6 +166,49 @@ class Output:
             raise
 
 
+class Batches:
+    """The finished batches of records not yet finished, so that a stopped sweep loses at
+    most the batch it was in: `<output>.batches` beside a `.jsonl` output, one JSON line per
+    batch (its record's `job` key, its sample indices and what it adds to the record:
+    `sweep._Result.piece`). A record is written after its last batch, and with a shared
+    prefill every record of a task finishes in the last chunk, so without this a stopped
+    sweep lost everything it had measured. `--resume` reads the file and runs only the
+    batches it lacks; another run (no --resume) starts a new file; a finished run deletes it.
+    A line cut off by a kill is skipped."""
+
+    def __init__(self, out: "Output", resume: bool):
+        self.path = out.path.with_name(out.path.name + ".batches") if out.lines else None
+        self.items: dict[tuple[str, tuple[int, ...]], dict] = {}
+        if self.path is None or not self.path.exists():
+            return
+        if not resume:
+            self.path.unlink()
+            return
+        for line in self.path.read_text().splitlines():
+            try:
+                b = json.loads(line)
+                self.items[(b["job"], tuple(b["idx"]))] = b["piece"]
+            except (ValueError, KeyError, TypeError):
+                continue
+
+    def get(self, key: str, idx) -> dict | None:
+        return self.items.get((key, tuple(int(i) for i in idx)))
+
+    def put(self, key: str, idx, piece: dict) -> None:
+        idx = [int(i) for i in idx]
+        self.items[(key, tuple(idx))] = piece
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"job": key, "idx": idx, "piece": piece}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    def finish(self) -> None:
+        """Every record is written: the batches are no longer needed."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
 # ---- main ------------------------------------------------------------------------------------
 
 

@@ -293,13 +293,16 @@ def configured(name: str, extra: dict[str, str], args):
 # ---- measuring one job ------------------------------------------------------------------
 
 
-def measure(model, jobs: list[Job], args, settings: dict, pbar=None, at: dict | None = None):
+def measure(model, jobs: list[Job], args, settings: dict, pbar=None, at: dict | None = None,
+            batches=None):
     """Run the jobs and yield (job, record) as each finishes. The jobs on the same prompts
     (a task at a context) go chunk by chunk together (`_batches`), each chunk through
     `engine.run_each`: its full prefill runs once for every method that compresses after
     it (`kvjax.engine.shared`; not with --mesh or --no-share-prefill), a batch of part of
     the chunk (a ratio's budget) replaying its rows, and a job's record is yielded after
-    its last batch. `at["job"]` names the job running (for an error's message)."""
+    its last batch. `batches` (`records.Batches`) keeps each finished batch and gives back
+    those a stopped run finished, which are not run again. `at["job"]` names the job
+    running (for an error's message)."""
     from kvjax import engine
     from kvjax.pallas import Kernels
 
@@ -312,20 +315,27 @@ def measure(model, jobs: list[Job], args, settings: dict, pbar=None, at: dict | 
         d = group[0].data
         results = {id(j): _Result(j) for j in group}
         left = {id(j): len(j.batches) for j in group}
+        keys = {id(j): job_key(j, settings) for j in group}
         bs = args.batch_size
         for c in dict.fromkeys(i[0] // bs for j in group for _, i in j.batches):
             rows = list(range(c * bs, min((c + 1) * bs, len(d.prompts))))
             runs = [(j, m, i) for j in group for m, i in j.batches if i[0] // bs == c]
-            at["job"] = runs[0][0]
-            gens = engine.run_each(
+            kept = [batches.get(keys[id(j)], i) if batches else None for j, _, i in runs]
+            todo = [r for r, p in zip(runs, kept) if p is None]
+            at["job"] = (todo or runs)[0][0]
+            gens = iter(engine.run_each(
                 model.params, model.cfg, [d.prompts[r] for r in rows],
-                [(m, [i - rows[0] for i in idx]) for _, m, idx in runs],
+                [(m, [i - rows[0] for i in idx]) for _, m, idx in todo],
                 questions=None if d.questions is None else [d.questions[r] for r in rows],
                 max_new_tokens=[d.max_new[r] for r in rows], share=share,
-                kernels=Kernels.every(args.kernels), mesh=model.mesh)
-            for k, ((job, method, idx), gen) in enumerate(zip(runs, gens)):
+                kernels=Kernels.every(args.kernels), mesh=model.mesh) if todo else ())
+            for k, ((job, method, idx), piece) in enumerate(zip(runs, kept)):
                 check_signals()
-                results[id(job)].add(model, method, idx, gen)
+                if piece is None:
+                    piece = results[id(job)].piece(model, method, idx, next(gens))
+                    if batches is not None:
+                        batches.put(keys[id(job)], idx, piece)
+                results[id(job)].apply(method, idx, piece)
                 if pbar is not None:
                     pbar.update(len(idx))
                 left[id(job)] -= 1
@@ -344,39 +354,55 @@ class _Result:
         self.live, self.alloc, self.full = [], [], []
         self.compile_s, self.extra_stats, self.used, self.dtype, self.mesh = 0.0, {}, {}, None, None
 
-    def add(self, model, method, idx: list[int], gen) -> None:
-        """One batch: `gen`, the `Generation` of `method` on the samples `idx`."""
+    def piece(self, model, method, idx: list[int], gen) -> dict:
+        """What one batch (`gen`, the `Generation` of `method` on the samples `idx`) adds to
+        the record, as plain JSON (`records.Batches` keeps it for a resumed sweep; a batch
+        run now and one read back add the same)."""
         from kvjax import engine, tasks
 
         job, d = self.job, self.job.data
         st = gen.stats
-        ran = _resolved(method, d, idx)
-        self.used[ran] = ran.budget_for(max(len(d.prompts[i]) for i in idx))
-        self.dtype, self.mesh = str(gen.cache.k.dtype), st["mesh"]
-        self.compile_s += st["compile_s"]
-        self.ttft.append(st["ttft_s"])
-        self.own.append(st["ttft_own_s"])
-        self.tpot += [st["tpot_s"]] if st["tpot_s"] is not None else []
-        self.live.append(st["kv_bytes_live"] / len(idx))
-        self.alloc.append(st["kv_bytes_allocated"] / len(idx))
-        self.full.append(st["kv_bytes_full"] / len(idx))
-        self.kernels.append(st["kernels"])
-        for k, v in st.items():
-            if k not in engine.ENGINE_STATS:
-                self.extra_stats.setdefault(k, []).append(v)
+        budget = _resolved(method, d, idx).budget_for(max(len(d.prompts[i]) for i in idx))
+        samples = []
         for j, (i, toks) in enumerate(zip(idx, gen.tokens)):
             s = d.samples[i]
             pred = model.decode(toks)
             score = tasks.score(job.task, pred, s.answer) if d.spec is None or \
                 d.spec.synthetic else tasks.score_sample(s, pred)
             rec = {"prediction": pred, "answer": s.answer, "score": score,
-                   "correct": bool(score == 1.0), "depth": s.depth, "budget": self.used[ran]}
+                   "correct": bool(score == 1.0), "depth": s.depth, "budget": budget}
             if d.spec is not None and not d.spec.synthetic:
                 rec.update(_sample_id(s))
             for k, v in st.items():
                 if k not in (*engine.ENGINE_STATS, *BULKY_STATS) and isinstance(v, list) \
                         and len(v) == len(idx):
                     rec[k] = v[j]
+            samples.append([i, rec])
+        n = len(idx)
+        return json.loads(json.dumps(dict(
+            budget=budget, dtype=str(gen.cache.k.dtype), mesh=st["mesh"],
+            compile_s=st["compile_s"], ttft=st["ttft_s"], own=st["ttft_own_s"],
+            tpot=st["tpot_s"], live=st["kv_bytes_live"] / n, alloc=st["kv_bytes_allocated"] / n,
+            full=st["kv_bytes_full"] / n, kernels=st["kernels"],
+            extra={k: v for k, v in st.items()
+                   if k not in (*engine.ENGINE_STATS, *BULKY_STATS)},
+            samples=samples), default=_plain))
+
+    def apply(self, method, idx: list[int], piece: dict) -> None:
+        """Add one batch's `piece` to the record."""
+        self.used[_resolved(method, self.job.data, idx)] = piece["budget"]
+        self.dtype, self.mesh = piece["dtype"], piece["mesh"]
+        self.compile_s += piece["compile_s"]
+        self.ttft.append(piece["ttft"])
+        self.own.append(piece["own"])
+        self.tpot += [piece["tpot"]] if piece["tpot"] is not None else []
+        self.live.append(piece["live"])
+        self.alloc.append(piece["alloc"])
+        self.full.append(piece["full"])
+        self.kernels.append(piece["kernels"])
+        for k, v in piece["extra"].items():
+            self.extra_stats.setdefault(k, []).append(v)
+        for i, rec in piece["samples"]:
             self.per_sample[i] = rec
 
     def record(self, model, args, settings: dict) -> dict:
@@ -424,6 +450,17 @@ class _Result:
             if job.budget is None and job.ratio is None and (args.budget or args.ratio) else None,
             details=per_sample if args.details else None,
         ).as_json()
+
+
+def _plain(x):
+    """numpy and jax values as JSON's (a batch's piece is stored as JSON)."""
+    if isinstance(x, np.generic):
+        return x.item()
+    if hasattr(x, "__array__"):
+        return np.asarray(x).tolist()
+    if isinstance(x, (set, frozenset)):
+        return sorted(x)
+    raise TypeError(f"{type(x).__name__} is not JSON: {x!r}")
 
 
 def _sample_id(s) -> dict:
