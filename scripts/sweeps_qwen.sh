@@ -4,6 +4,8 @@
 # docs/results/qwen2.5-coder-0.5b/, resumable: re-run this script (or one line of it) to
 # finish what a stop cut off; commit the records as they come.
 #   nice bash scripts/sweeps_qwen.sh [SECTION]      # SECTION: baselines (default), pooling
+# A stopped sweep keeps its finished batches (<records>.jsonl.batches, commit them too) and
+# the re-run continues from the batch it was in, so a task's ~2 h may span sessions.
 #
 # The plan, against the cost measured on this machine (2 cores, float32):
 # - the full prefill of a batch of 8 RULER prompts at 4096 tokens: 497 s (62 s a sample,
