@@ -545,6 +545,18 @@ def test_paper_schedule_scaling():
     with pytest.raises(ValueError, match="budget=64 is the last stage's kept tokens"):
         b.with_budget(64).validate(2000, cfg)
     b.with_budget(192).validate(2000, cfg)  # the forced blocks: the sink and the tail's one
+    # the paper's (8, 4, 2) blocks at 2048 on 32 layers: kvjax's floor of 3 blocks makes it
+    # (12, 6, 3); min_blocks=2 runs the paper's where the tail's 4 tokens lie in one block
+    c32 = dataclasses.replace(cfg, num_layers=32)
+    assert m.plan(c32, 2048).blocks == (12, 6, 3)
+    paper = methods.create("sliminfer", min_blocks=2)
+    assert paper.plan(c32, 2048).blocks == (8, 4, 2)
+    paper.validate(2048, c32)  # forced: the sink and block 31
+    with pytest.raises(ValueError, match=r"min_blocks=2: the scaled schedule keeps \[8, 4, 2\] "
+                       r"blocks of a 2050-token prompt, but 3 are always active"):
+        paper.validate(2050, c32)  # the last 4 tokens straddle blocks 31 and 32
+    with pytest.raises(ValueError, match="min_blocks=0; allowed: >= 1"):
+        methods.create("sliminfer", min_blocks=0).validate(2048, c32)
 
 
 def hf_cfg_12():

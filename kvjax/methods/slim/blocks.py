@@ -23,7 +23,8 @@ from kvjax.config import ModelConfig
 # Llama-3.1-8B has 32 layers and the paper's schedule is given for 32k prompts (Sec. 5.1)
 PAPER_LAYERS = 32
 PAPER_CONTEXT = 32768
-# scaled budgets never drop below sink + the (at most two) blocks holding the last w tokens
+# scaled budgets never drop below sink + the (at most two) blocks holding the last w tokens:
+# kvjax's floor, not the paper's (SlimInfer.min_blocks)
 MIN_SCALED_BLOCKS = 3
 
 
@@ -58,13 +59,15 @@ def scaled_layers(layers_of_32, num_layers: int) -> tuple[int, ...]:
     return tuple(int(round(l * num_layers / PAPER_LAYERS)) for l in layers_of_32)
 
 
-def scaled_blocks(keep_of_32k, n: int, block: int, num_blocks: int) -> tuple[int, ...]:
-    """Token budgets given for 32k prompts, scaled by n / 32768, in whole blocks (floor), at
-    most every block of the prompt. The smallest stage keeps at least MIN_SCALED_BLOCKS (the
-    forced blocks must fit); when that floor binds, the earlier stages keep the schedule's
-    ratios to it (the paper's 2:1 between stages), not the floor as well."""
+def scaled_blocks(keep_of_32k, n: int, block: int, num_blocks: int,
+                  floor: int = MIN_SCALED_BLOCKS) -> tuple[int, ...]:
+    """Token budgets given for 32k prompts, scaled by n / 32768, in whole blocks (rounded
+    down), at most every block of the prompt. The smallest stage keeps at least `floor`
+    blocks (by default MIN_SCALED_BLOCKS: the forced blocks always fit); when that floor
+    binds, the earlier stages keep the schedule's ratios to it (the paper's 2:1 between
+    stages), not the floor as well."""
     scaled = [int(k * n / PAPER_CONTEXT) // block for k in keep_of_32k]
-    last = max(scaled[-1], MIN_SCALED_BLOCKS)
+    last = max(scaled[-1], floor)
     return tuple(min(max(b, math.ceil(last * k / keep_of_32k[-1])), num_blocks)
                  for b, k in zip(scaled, keep_of_32k))
 

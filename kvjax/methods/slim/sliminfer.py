@@ -14,8 +14,12 @@ said otherwise):
 - pruning layers 10, 20, 30 of 32-layer Llama keeping 8k, 4k, 2k tokens of a 32k prompt,
   scaled as docs/methods.md "Conventions" says: layers round(l * L / 32) (a layer at or past
   L - 1 starts no stage and is dropped), budgets n / 32768 of the longest prompt in whole
-  blocks (floor) for the stages that exist, the smallest at least 3 blocks (the forced
-  ones fit) with the earlier ones keeping the schedule's ratio to it; explicit `layers` /
+  blocks (rounded down) for the stages that exist, the smallest at least `min_blocks` = 3
+  blocks with the earlier ones keeping the schedule's ratio to it (kvjax's floor, not the
+  paper's: the sink and the up to two blocks holding the last w tokens are always active,
+  so 3 always fit; at 2048 tokens it turns the paper's (8, 4, 2) blocks into (12, 6, 3);
+  `min_blocks=2` runs the paper's, and refuses a prompt whose last w tokens straddle a
+  block boundary, where 3 blocks are forced); explicit `layers` /
   `keep` override them; `--budget B` makes the last existing stage keep B tokens and the
   earlier ones the schedule's ratios to it (2B, 4B);
 - Eq. 2 block score: max over units of the head-mean of q_l . k_rep, each query head with
@@ -110,6 +114,7 @@ class SlimInfer(Method):
     keep_ratio: float | None = None  # keep this fraction of the present tokens (LazyLLM)
     budget: int | None = None  # `--budget`: tokens the last stage keeps, ratios before it
     scale_tokens: int | None = None  # the prompt length the schedule scales by (`for_prompt`)
+    min_blocks: int = blocks.MIN_SCALED_BLOCKS  # the scaled schedule's floor (module docstring)
     prune_after: str = "attention"  # where the pruning layer gathers: "attention" | "mlp"
     decode_forced: str = "sink"  # blocks always active while decoding: "sink" | "sink_and_tail"
     decode_timing: str = "paper"  # "paper": chosen inside the step | "lagged": for the next
@@ -156,7 +161,7 @@ class SlimInfer(Method):
             counts = blocks.budget_blocks(self.budget, self.keep_of_32k[:P], self.block, NB)
         else:
             counts = blocks.scaled_blocks(self.keep_of_32k[:P], self.scale_tokens or T,
-                                          self.block, NB) if P else ()
+                                          self.block, NB, self.min_blocks) if P else ()
         return blocks.Plan(cfg.num_layers, self.block, self.window, NB, layers, counts,
                            self.keep_ratio, self.prune_after)
 
@@ -219,6 +224,23 @@ class SlimInfer(Method):
             self._validate_budget(n, cfg)
         if self.keep is not None:
             self._validate_keep(n, cfg)
+        if self.budget is None and self.keep is None:
+            self._validate_floor(n, cfg)
+
+    def _validate_floor(self, n: int, cfg: ModelConfig) -> None:
+        """The scaled schedule's smallest stage must hold the always-active blocks."""
+        if self.min_blocks < 1:
+            raise ValueError(f"min_blocks={self.min_blocks}; allowed: >= 1")
+        forced = len(blocks.forced_block_ids(n, self.block, self.window, self.sink_blocks))
+        P = len(self.stage_layers(cfg))
+        counts = blocks.scaled_blocks(self.keep_of_32k[:P], self.scale_tokens or n, self.block,
+                                      -(-n // self.block), self.min_blocks)
+        if counts and min(counts) < forced:
+            raise ValueError(
+                f"min_blocks={self.min_blocks}: the scaled schedule keeps {list(counts)} blocks "
+                f"of a {n}-token prompt, but {forced} are always active there (the sink and the "
+                f"blocks holding the last window={self.window} tokens); allowed: min_blocks >= "
+                f"{forced} for this prompt")
 
     def _validate_budget(self, n: int, cfg: ModelConfig) -> None:
         forced = len(blocks.forced_block_ids(n, self.block, self.window, self.sink_blocks))
