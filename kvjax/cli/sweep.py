@@ -453,14 +453,15 @@ class _Result:
 
 
 def _plain(x):
-    """numpy and jax values as JSON's (a batch's piece is stored as JSON)."""
+    """numpy and jax values as JSON's (a batch's piece is stored as JSON); anything else
+    as its text, as the records writer (`records._dumps`) writes it."""
     if isinstance(x, np.generic):
         return x.item()
     if hasattr(x, "__array__"):
         return np.asarray(x).tolist()
     if isinstance(x, (set, frozenset)):
         return sorted(x)
-    raise TypeError(f"{type(x).__name__} is not JSON: {x!r}")
+    return str(x)  # as the records writer writes what JSON has no type for
 
 
 def _sample_id(s) -> dict:
