@@ -40,8 +40,11 @@ def _native_stderr_to_a_file(config):
     worker = getattr(config, "workerinput", None)
     if worker is None:
         if config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None):
-            # inherited by the workers xdist starts after this hook
-            os.environ[_DIR_ENV] = tempfile.mkdtemp(prefix="kvjax-worker-stderr-")
+            # inherited by the workers xdist starts after this hook; only the run that
+            # made the folder prints and removes it (a pytest a test starts inherits the
+            # variable too)
+            config._kvjax_stderr_dir = tempfile.mkdtemp(prefix="kvjax-worker-stderr-")
+            os.environ[_DIR_ENV] = config._kvjax_stderr_dir
     elif os.environ.get(_DIR_ENV):
         path = Path(os.environ[_DIR_ENV]) / f"{worker['workerid']}.log"
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), 2)
@@ -50,8 +53,8 @@ def _native_stderr_to_a_file(config):
 def pytest_unconfigure(config):
     """The workers' native stderr, after the run's last line (a log cut to its tail keeps
     it), faulthandler's stack frames left out (the failing test is named above)."""
-    d = os.environ.get(_DIR_ENV)
-    if d is None or hasattr(config, "workerinput") or not Path(d).is_dir():
+    d = getattr(config, "_kvjax_stderr_dir", None)
+    if d is None or not Path(d).is_dir():
         return
     tr = config.pluginmanager.get_plugin("terminalreporter")
     for log in sorted(Path(d).glob("*.log")):
