@@ -40,21 +40,15 @@ def _setup(case: str, r: float, budget: int):
 
     from kvjax import methods
 
-    snap = lambda: kvpress.SnapKVPress(compression_ratio=r, window_size=64,  # noqa: E731
-                                       kernel_size=5)
-    kw = dict(budget=budget, window=64, kernel=5, pooling="avg")
+    snap = kvpress.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5)
+    m = methods.create(case, budget=budget, window=64, kernel=5, pooling="avg")
     # AdaKV: kvpress's masked cache rejects eager attention, and its fake key is found for
     # one question token only (tests/test_kvpress_parity.py)
-    return {
-        "snapkv": (snap(), methods.create("snapkv", **kw), "eager", None, kvp._our_scores),
-        "ada_snapkv": (kvpress.AdaKVPress(snap()), methods.create("ada_snapkv", **kw), "sdpa",
-                       1, kvp._our_scores),
-        "critical_snapkv": (kvpress.CriticalKVPress(snap()),
-                            methods.create("critical_snapkv", **kw), "eager", None,
-                            tc._crit_scores),
-        "critical_adakv": (kvpress.CriticalAdaKVPress(snap()),
-                           methods.create("critical_adakv", **kw), "sdpa", 1, tc._crit_scores),
-    }[case]
+    press, attn, nq = {"snapkv": (snap, "eager", None),
+                       "ada_snapkv": (kvpress.AdaKVPress(snap), "sdpa", 1),
+                       "critical_snapkv": (kvpress.CriticalKVPress(snap), "eager", None),
+                       "critical_adakv": (kvpress.CriticalAdaKVPress(snap), "sdpa", 1)}[case]
+    return press, m, attn, nq, tc._crit_scores if case.startswith("critical") else kvp._our_scores
 
 
 def main(argv=None) -> int:
@@ -82,7 +76,6 @@ def main(argv=None) -> int:
     from kvjax.models.checkpoint import save_hf, weights_sha256
 
     jax.config.update("jax_default_matmul_precision", "highest")  # as the tests
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     model = kvjax.load(a.model)
     # --context counts the model's tokens, context and question, as `kvjax.run` does
     s = tasks.fit("niah_single", a.context,
