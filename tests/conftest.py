@@ -50,6 +50,41 @@ def _native_stderr_to_a_file(config):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), 2)
 
 
+# XLA:CPU keeps each compiled program's machine code in its own memory maps, and a process
+# may hold vm.max_map_count (65530) of them. A worker that ran ~430 tests reached it: LLVM's
+# "Cannot allocate memory", then SIGSEGV (CI of 2026-11-28, in test_decode_layers). A test
+# module adds up to ~7000 maps here; above half the limit the programs are dropped (jax's
+# caches and the engine's; a later test recompiles what it needs).
+_MAPS_CLEAR_AT = 32768
+_maps_seen = {"peak": 0, "clears": 0}
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+def pytest_runtest_teardown(item, nextitem):
+    n = _memory_maps()
+    _maps_seen["peak"] = max(_maps_seen["peak"], n)
+    if n > _MAPS_CLEAR_AT:
+        import gc
+
+        from kvjax import engine
+        engine.clear_compiled()
+        gc.collect()
+        _maps_seen["clears"] += 1
+
+
+def pytest_sessionfinish(session):
+    if getattr(session.config, "workerinput", None) is not None and _maps_seen["clears"]:
+        os.write(2, (f"kvjax: memory maps peaked at {_maps_seen['peak']} (limit 65530); "
+                     f"compiled programs dropped {_maps_seen['clears']} times\n").encode())
+
+
 def pytest_unconfigure(config):
     """The workers' native stderr, after the run's last line (a log cut to its tail keeps
     it), faulthandler's stack frames left out (the failing test is named above)."""

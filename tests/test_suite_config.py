@@ -47,3 +47,22 @@ def test_a_native_abort_ends_the_run_and_keeps_its_message(tmp_path):
     # --max-worker-restart 0 (conftest): no replacement worker runs what is left
     summary = [line for line in out.splitlines() if " in " in line and "failed" in line][-1]
     assert "1 failed" in summary and "passed" not in summary, summary
+
+
+
+def test_compiled_programs_are_dropped_before_the_memory_maps_run_out(request, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax import engine
+    conftest = next(p for p in request.config.pluginmanager.get_plugins()
+                    if getattr(p, "_MAPS_CLEAR_AT", None) is not None)
+    engine.compile_once(jax.jit(jnp.square), (jnp.ones(3),))
+    assert engine.compiled_count() > 0
+    assert conftest._memory_maps() > 0  # Linux: the count the hook compares
+    monkeypatch.setattr(conftest, "_MAPS_CLEAR_AT", 10**9)
+    conftest.pytest_runtest_teardown(None, None)
+    assert engine.compiled_count() > 0
+    monkeypatch.setattr(conftest, "_MAPS_CLEAR_AT", 0)
+    conftest.pytest_runtest_teardown(None, None)
+    assert engine.compiled_count() == 0
