@@ -3,7 +3,8 @@
 # claims registry docs/results/claims.jsonl). One JSONL per sweep in
 # docs/results/qwen2.5-coder-0.5b/, resumable: re-run this script (or one line of it) to
 # finish what a stop cut off; commit the records as they come.
-#   nice bash scripts/sweeps_qwen.sh [SECTION]      # SECTION: baselines (default), pooling
+#   nice bash scripts/sweeps_qwen.sh [SECTION [TASKS]]  # SECTION: baselines (default),
+#       pooling; TASKS: a comma list of the solved tasks to run, in that order (default all)
 # A stopped sweep keeps its finished batches (<records>.jsonl.batches, commit them too) and
 # the re-run continues from the batch it was in, so a task's ~2 h may span sessions.
 #
@@ -52,6 +53,12 @@ run() {  # file, then arguments
 
 TASKS=$(solved)
 [ -n "$TASKS" ] || { echo "no calibration records with a solved task in $D" >&2; exit 2; }
+if [ -n "${2:-}" ]; then
+  for t in ${2//,/ }; do
+    [[ ",$TASKS," == *",$t,"* ]] || { echo "$t is not a solved task here ($TASKS)" >&2; exit 2; }
+  done
+  TASKS=$2
+fi
 case "${1:-baselines}" in
   baselines)
     for t in ${TASKS//,/ }; do
