@@ -62,11 +62,39 @@ def test_blocked_equals_chunked(T, sliding_window, ordered):
     assert not np.any(np.asarray(got)[~np.asarray(valid)])  # padding queries: zeros
 
 
+def test_the_fused_log_sum_exp_gives_the_column_sums():
+    """The fused call's softmax statistic (`return_residual`) is the blocked attention's
+    log-sum-exp on every real query, and H2O's column sums given it in query bands (no
+    softmax of their own: the GPU's path) equal those computed with one. T is no multiple
+    of the 128-query band (the last one padded); row 1 is left-padded. 1e-5 relative (fp32)."""
+    from kvjax.compression import scoring
+
+    B, T, K, G, D = 2, 320, 2, 3, 16  # the blocked one: 64-key tiles
+    ks = jax.random.split(jax.random.PRNGKey(1), 3)
+    q = jax.random.normal(ks[0], (B, T, K * G, D))
+    k, v = (jax.random.normal(x, (B, K, T, D)) for x in ks[1:])
+    valid = jnp.ones((B, T), bool).at[1, :70].set(False)
+    pos = jnp.where(valid, jnp.cumsum(valid, 1) - 1, 0).astype(jnp.int32)
+    kpos, kval = (jnp.broadcast_to(x[:, None], (B, K, T)) for x in (pos, valid))
+    _, lse = attention.attend_prompt(q, k, v, pos, kpos, kval, None, "fused_xla",
+                                     with_lse=True)
+    _, ref = attention.attend_blocked(q, k, v, pos, kpos, kval, None, ordered=True,
+                                      with_lse=True)
+    real = np.asarray(valid)[:, None, None, :]
+    np.testing.assert_allclose(np.where(real, lse, 0), np.where(real, ref, 0), atol=1e-5)
+    assert np.all(np.isinf(np.asarray(lse)[~np.broadcast_to(real, lse.shape)]))
+    want = scoring.cumulative_attention(q, k, pos, valid, kpos, kval, 128)
+    got = scoring.cumulative_attention(q, k, pos, valid, kpos, kval, 128, lse_BKGT=lse)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(want)))
+
+
 @pytest.mark.parametrize("name, kw", [("full", {}), ("snapkv", dict(budget=40, window=8)),
                                       ("asl", dict(select_k=40, window=8, tau=0.9)),
                                       ("lazyllm", dict(layers=(2, 4))),
                                       # column sums in tiles (blocked) vs query bands
-                                      ("h2o", dict(budget=40, block=32))])
+                                      # given the fused call's log-sum-exp
+                                      ("h2o", dict(budget=40, block=32)),
+                                      ("observed_attention", dict(budget=40, block=32))])
 def test_runs_are_equal_with_the_fused_prompt_attention(name, kw):
     params = init_params(CFG, jax.random.PRNGKey(0), std=0.3)
     rng = np.random.default_rng(0)

@@ -46,7 +46,7 @@ class LayerIO:
     heads: Heads = Heads()
     # prefill: each query's log-sum-exp over the prompt's keys (the causal softmax's
     # normaliser, +inf for a query that sees none), where the prompt attention computed it
-    # (`attention.attend_blocked`); None elsewhere
+    # (`attention.attend_blocked`, `attend_fused`); None elsewhere
     lse: Float[Array, "B K G T"] | None = None
 
     @property

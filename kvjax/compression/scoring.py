@@ -101,18 +101,56 @@ def cumulative_attention(
     `tiled` (the methods pass it where the prompt attention is the CPU's tiled one) in
     [block, block] tiles when T and S are multiples of `block` (`_tiled_column_sums`).
     `lse_BKGT`: each query's log-sum-exp over these keys, where the prompt attention
-    computed it (`LayerIO.lse`): the tiled form then skips its first pass."""
+    computed it (`LayerIO.lse`): the tiled form then skips its first pass, the query-band
+    form its softmax (`_band_column_sums`)."""
     B, T, H, D = q_BTHD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
     if tiled and T % block == 0 and S % block == 0:
         return _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS,
                                   block, lse_BKGT)
+    if lse_BKGT is not None:
+        return _band_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS,
+                                 block, lse_BKGT)
 
     def step(acc, probs, ok, v):
         return acc + jnp.sum(jnp.where(v[:, None, None, :, None], probs, 0.0), axis=3)
 
     return fold_query_blocks(step, jnp.zeros((B, K, H // K, S), jnp.float32), q_BTHD, k_BKSD,
                              qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, block)
+
+
+def _band_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, block,
+                      lse_BKGT):
+    """`cumulative_attention` in query bands given each query's log-sum-exp (the fused
+    prompt attention's, `attention.attend_fused`): a band's probabilities are
+    exp(s - lse) directly, without the max, sum and division of its softmax. On a GPU the
+    prompt attention stays cuDNN's and this pass is a [block, S] matmul and one
+    elementwise exp-and-reduce per band (issue 52, item 2: the bands with their own
+    softmax made H2O's prefill 7x full's at 32k)."""
+    B, T, H, D = q_BTHD.shape
+    K = k_BKSD.shape[1]
+    block = min(block, T)
+    nb = -(-T // block)
+    pad = nb * block - T
+    # a padding query, or one seeing no key (+inf), adds exp(-inf) = 0
+    lse_BKGT = jnp.where(qvalid_BT[:, None, None], lse_BKGT, jnp.inf)
+    if pad:
+        q_BTHD = jnp.pad(q_BTHD, [(0, 0), (0, pad), (0, 0), (0, 0)])
+        qpos_BT = jnp.pad(qpos_BT, [(0, 0), (0, pad)])
+        lse_BKGT = jnp.pad(lse_BKGT, [(0, 0), (0, 0), (0, 0), (0, pad)],
+                           constant_values=jnp.inf)
+    qb = q_BTHD.reshape(B, nb, block, H, D).swapaxes(0, 1)
+    pb = qpos_BT.reshape(B, nb, block).swapaxes(0, 1)
+    lb = lse_BKGT.reshape(B, K, H // K, nb, block).transpose(3, 0, 1, 2, 4)
+
+    def one(acc, xs):
+        q, p, lse = xs
+        ok = attention.mask(p, kpos_BKS, kvalid_BKS)[:, :, None]
+        e = jnp.where(ok, jnp.exp(attention.logits(q, k_BKSD) - lse[..., None]), 0.0)
+        return acc + jnp.sum(e, axis=3), None
+
+    init = jnp.zeros((B, K, H // K, k_BKSD.shape[2]), jnp.float32)
+    return jax.lax.scan(one, init, (qb, pb, lb))[0]
 
 
 def _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, block,

@@ -53,8 +53,9 @@ def prefill_layers(
         p, layer = xs
         q, k, v = transformer.qkv(p, cfg, x, pos_BT)
         window = transformer.layer_window(cfg, layer)
-        # each query's log-sum-exp where the attention has it (the CPU's blocked one) and
-        # it is the causal softmax's over the whole prompt (no window): H2O's column sums
+        # each query's log-sum-exp where the attention has it (the CPU's blocked one, the
+        # fused call) and it is the causal softmax's over the whole prompt (no window):
+        # H2O's column sums
         o, lse = attention.attend_prompt(q, k, v, pos_BT, kpos_BKT, kvalid_BKT, window,
                                          kernels.prompt_attention(q.dtype), ordered=True,
                                          with_lse=True)

@@ -165,7 +165,8 @@ def attend_blocked(q_BTHD, k_BKSD, v_BKSD, qpos_BT, kpos_BKS, kvalid_BKS, slidin
     return (o, lse) if with_lse else o
 
 
-def attend_fused(q_BTHD, k_BKTD, v_BKTD, valid_BT, sliding_window, implementation: str):
+def attend_fused(q_BTHD, k_BKTD, v_BKTD, valid_BT, sliding_window, implementation: str,
+                 with_lse: bool = False):
     """The prompt's causal attention as one fused call (`jax.nn.dot_product_attention`:
     cuDNN's flash attention on NVIDIA GPUs), equal to `attend_chunked` when each row's
     tokens are one contiguous run of slots whose positions increase by one (a left- or
@@ -173,8 +174,11 @@ def attend_fused(q_BTHD, k_BKTD, v_BKTD, valid_BT, sliding_window, implementatio
 
     The fused kernels mask by index (causal) and by sequence length (right padding), so
     each row is rolled left to its first token, attended with its length, and rolled back;
-    padding queries come back as zeros."""
+    padding queries come back as zeros. `with_lse`: (o, each query's log-sum-exp
+    [B, K, G, T] float32, +inf on padding queries): the call's own softmax statistic
+    (`return_residual`), as `attend_blocked` gives it."""
     B, T, H, D = q_BTHD.shape
+    K = k_BKTD.shape[1]
     n_B = jnp.sum(valid_BT, axis=1, dtype=jnp.int32)
     first = jnp.argmax(valid_BT, axis=1)
     idx = (jnp.arange(T)[None, :] + first[:, None]) % T  # row b: its tokens first
@@ -183,10 +187,16 @@ def attend_fused(q_BTHD, k_BKTD, v_BKTD, valid_BT, sliding_window, implementatio
     o = jax.nn.dot_product_attention(
         left(q_BTHD), left(k_BKTD.swapaxes(1, 2)), left(v_BKTD.swapaxes(1, 2)),
         is_causal=True, query_seq_lengths=n_B, key_value_seq_lengths=n_B,
-        local_window_size=window, implementation=implementation)
+        local_window_size=window, implementation=implementation, return_residual=with_lse)
+    o, lse_BTH = o if with_lse else (o, None)
     back = (jnp.arange(T)[None, :] - first[:, None]) % T  # the roll undone (idx's inverse)
     o = jnp.take_along_axis(o, back[:, :, None, None], axis=1)
-    return jnp.where(valid_BT[:, :, None, None], o, 0).astype(q_BTHD.dtype)
+    o = jnp.where(valid_BT[:, :, None, None], o, 0).astype(q_BTHD.dtype)
+    if not with_lse:
+        return o
+    lse_BTH = jnp.take_along_axis(lse_BTH.astype(jnp.float32), back[:, :, None], axis=1)
+    lse_BTH = jnp.where(valid_BT[:, :, None], lse_BTH, jnp.inf)
+    return o, lse_BTH.reshape(B, T, K, H // K).transpose(0, 2, 3, 1)
 
 
 def attend_prompt(q_BTHD, k_BKTD, v_BKTD, qpos_BT, kpos_BKT, kvalid_BKT, sliding_window,
@@ -197,14 +207,13 @@ def attend_prompt(q_BTHD, k_BKTD, v_BKTD, qpos_BT, kpos_BKT, kvalid_BKT, sliding
     contiguous slots). A window that is per-layer data (a traced value,
     `transformer.layer_window`) takes the `attend_chunked` path: the fused calls need it
     static. `with_lse`: (o, each query's log-sum-exp [B, K, G, T] or None), the latter from
-    the blocked attention only."""
+    the blocked attention and the fused call (not the chunked one)."""
     if implementation == "blocked":
         return attend_blocked(q_BTHD, k_BKTD, v_BKTD, qpos_BT, kpos_BKT, kvalid_BKT,
                               sliding_window, ordered, with_lse)
     if implementation == "xla" or isinstance(sliding_window, jax.Array):
         o = attend_chunked(q_BTHD, k_BKTD, v_BKTD, qpos_BT, kpos_BKT, kvalid_BKT,
                            sliding_window)
-    else:
-        o = attend_fused(q_BTHD, k_BKTD, v_BKTD, kvalid_BKT[:, 0], sliding_window,
-                         "xla" if implementation == "fused_xla" else implementation)
-    return (o, None) if with_lse else o
+        return (o, None) if with_lse else o
+    return attend_fused(q_BTHD, k_BKTD, v_BKTD, kvalid_BKT[:, 0], sliding_window,
+                        "xla" if implementation == "fused_xla" else implementation, with_lse)
