@@ -164,12 +164,14 @@ def replace_section(doc: str | Path, marker: str, body: str) -> None:
 
 
 def write_page(path: str | Path, text: str) -> None:
-    """Write a results page a script renders whole, keeping the SmolLM2 sections another
-    script renders into it (`<!-- smollm2-... -->` ... `<!-- /smollm2-... -->`, by
-    `scripts/smollm2_results.py`) right after the new text's title line."""
+    """Write a results page a script renders whole, keeping the real models' sections
+    another script renders into it (`<!-- smollm2-... -->` ... `<!-- /smollm2-... -->`,
+    `<!-- qwen-... -->`, by `scripts/smollm2_results.py`) right after the new text's title
+    line."""
     path = Path(path)
     old = path.read_text() if path.exists() else ""
-    kept = re.findall(r"(## [^\n]*\n\n<!-- (smollm2-[\w-]+) -->.*?<!-- /\2 -->\n)", old, re.S)
+    kept = re.findall(r"(## [^\n]*\n\n<!-- ((?:smollm2|qwen)-[\w-]+) -->.*?<!-- /\2 -->\n)",
+                      old, re.S)
     if kept:
         title, _, rest = text.partition("\n")
         text = title + "\n\n" + "\n".join(k for k, _ in kept) + "\n## On tiny-retrieval " \

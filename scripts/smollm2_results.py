@@ -9,7 +9,9 @@ exist yet says so.
     python scripts/smollm2_results.py --slim F.jsonl  # drop per-sample layer_budgets (size)
 
 It also renders each results page's SmolLM2 section (baselines, lava, criticalkv, d2o,
-sliminfer, asl) and writes the claims registry, docs/results/claims.jsonl: every comparison
+sliminfer, asl), the Qwen2.5-Coder-0.5B baselines on RULER (baselines.md, `qwen-baselines`,
+from `scripts/sweeps_qwen.sh`'s records in docs/results/qwen2.5-coder-0.5b/) and writes the
+claims registry, docs/results/claims.jsonl: every comparison
 a page reads (the `pairs` each page declares), judged paired on the same prompts by
 `kvjax.claims` (exact McNemar, Holm over a paper's comparisons on the model; the rules in
 docs/results/README.md).
@@ -233,10 +235,14 @@ def table(recs: list[dict], methods: set | None = None,
 # more than 5 points". The paper a comparison belongs to, by page and by a's method.
 PAPER = {"baselines": "SnapKV", "lava": "LAVa", "criticalkv": "CriticalKV", "d2o": "D2O",
          "sliminfer": "SlimInfer", "asl": "ASL"}
-PAPER_OF_METHOD = {"ada_snapkv": "AdaKV", "pyramidkv": "PyramidKV"}
+PAPER_OF_METHOD = {"ada_snapkv": "AdaKV", "ada_pyramidkv": "AdaKV", "pyramidkv": "PyramidKV",
+                   "h2o": "H2O", "tova": "TOVA", "streaming_llm": "StreamingLLM"}
 CLAIM_WORDS = {"SnapKV": "SnapKV keeps what full keeps, above H2O, TOVA and StreamingLLM",
                "AdaKV": "Ada-SnapKV (adaptive head budgets) beats SnapKV",
                "PyramidKV": "PyramidKV beats SnapKV",
+               "H2O": "H2O keeps full's accuracy (within 5 points)",
+               "TOVA": "TOVA keeps full's accuracy (within 5 points)",
+               "StreamingLLM": "StreamingLLM keeps full's accuracy (within 5 points)",
                "LAVa": "LAVa >= Ada-SnapKV >= SnapKV; LAVa vs CAKE",
                "CriticalKV": "the critical rule beats its base method at every budget",
                "D2O": "D2O > H2O > StreamingLLM; merging helps",
@@ -298,7 +304,7 @@ def _register(ra: list[dict], rb: list[dict], part: str, scenario: str) -> int:
         else PAPER[PAGE["name"]]
     kind = "no worse" if y["method"] == "full" else "better"
     files = sorted({f for r in ra + rb for f in r["_files"]})
-    row = {"paper": paper, "claim": CLAIM_WORDS[paper], "model": "smollm2-135m",
+    row = {"paper": paper, "claim": CLAIM_WORDS[paper], "model": x["model"],
            "task": "+".join(dict.fromkeys(r["task"] for r in ra)),
            "context": x["context_length"], "scenario": scenario, "budget": part,
            "a": a, "b": b, "kind": kind, "margin": cl.MARGIN if kind == "no worse" else None,
@@ -452,6 +458,59 @@ def baselines(ctx: int, task: str = TASK) -> str | None:
     return (intro(ctx, recs, files, PYRAMID if any(r["method"] == "pyramidkv" for r in recs)
                   else "", task=task)
             + "\n\n" + table(recs) + "\n\n" + claims(recs, pairs, budgets(ctx)))
+
+
+QWEN = ROOT / "docs" / "results" / "qwen2.5-coder-0.5b"
+# scripts/sweeps_qwen.sh's declared comparisons: every method no worse than full, and the
+# baselines' orderings, at each budget and task
+QWEN_METHODS = ("snapkv", "ada_snapkv", "pyramidkv", "ada_pyramidkv", "h2o", "tova",
+                "streaming_llm")
+QWEN_PAIRS = ([(m, "full", {}, {}) for m in QWEN_METHODS]
+              + [("ada_snapkv", "snapkv", {}, {}), ("ada_pyramidkv", "pyramidkv", {}, {}),
+                 ("pyramidkv", "snapkv", {}, {})]
+              + [("snapkv", o, {}, {}) for o in ("h2o", "tova", "streaming_llm")])
+
+
+def qwen_baselines(ctx: int = 4096) -> str:
+    """Qwen2.5-Coder-0.5B's baselines at `ctx` on each RULER task its full cache solves
+    (`scripts/sweeps_qwen.sh baselines`): a table and the declared comparisons per task
+    whose sweep is complete; a sweep under way says how far it is."""
+    import json
+
+    blocks, going = [], []
+    for f in sorted(QWEN.glob(f"baselines_*_{ctx}.jsonl")):
+        rel = str(f.relative_to(ROOT))
+        recs = [{**r, "_files": [rel]} for r in report.load_records(f) if r["samples"] >= 50]
+        if not {"full", "snapkv"} <= {r["method"] for r in recs}:
+            continue
+        task = recs[0]["task"]
+        full = scored(find(recs, "full"))
+        skip = recs[0].get("ruler_skip", 0)
+        blocks.append(
+            f"#### {task}\n\nRULER's samples {skip}-{skip + recs[0]['samples'] - 1} "
+            f"(`--ruler-skip {skip}`: the calibration chose the task on samples 0-15), "
+            f"plain prompts, {ctx} tokens, question-aware, "
+            f"seed 0; {report.model_line(recs)}. Full cache: {fmt(full)}. Records: `{rel}` "
+            f"({_sweep_minutes(recs):.0f} min on 2 cores by their own clocks).\n\n"
+            + table(recs) + "\n\n" + claims(recs, QWEN_PAIRS, budgets(ctx)))
+    for f in sorted(QWEN.glob(f"baselines_*_{ctx}.jsonl.batches")):
+        jobs = {}
+        for line in f.read_text().splitlines():
+            piece = json.loads(line)
+            jobs.setdefault(piece["job"], set()).update(piece["idx"])
+        done = min(len(v) for v in jobs.values())
+        going.append(f"`{f.name[:-len('.batches')]}` (under way: {len(jobs)} cells have "
+                     f"begun, the least advanced at {done} of 50 samples)")
+    head = ("The eight baselines at 1/8 and 1/16 of the context on the RULER tasks "
+            "Qwen2.5-Coder-0.5B's full cache solves at 4096 (MODEL.md, "
+            "`qwen2.5-coder-0.5b-ruler`), SnapKV's pooling kernel at its default 7, methods "
+            "at their papers' defaults. Rendered by `python scripts/smollm2_results.py` from "
+            "the records of `scripts/sweeps_qwen.sh baselines`.")
+    if going:
+        head += " Sweeps not finished: " + "; ".join(going) + "."
+    if not blocks:
+        head += " No task's sweep is complete yet."
+    return "\n\n".join([head, *blocks])
 
 
 # LAVa's tasks at each context (the paper's claim is an average over tasks): each task's
@@ -923,6 +982,8 @@ def main(argv=None) -> int:
                          ("sliminfer", lambda: section(sliminfer)), ("asl", lambda: section(asl))):
         PAGE["name"] = page
         pages[page] = render()
+    PAGE["name"] = "baselines"
+    qwen = qwen_baselines()
     rows = write_registry()
     fill = lambda text: _fill(text, rows)  # noqa: E731
     report.replace_section(ROOT / "MODEL.md", "smollm2-calibration", fill(calib))
@@ -931,6 +992,8 @@ def main(argv=None) -> int:
         if body:
             report.replace_section(ROOT / "docs" / "results" / f"{page}.md", f"smollm2-{page}",
                                    fill(body))
+    report.replace_section(ROOT / "docs" / "results" / "baselines.md", "qwen-baselines",
+                           fill(qwen))
     print(f"rendered from {len(records)} records")
     return 0
 

@@ -110,13 +110,15 @@ def test_wilson_interval():
         report.wilson(0, 0)
 
 
-def test_write_page_keeps_the_smollm2_sections(tmp_path):
+def test_write_page_keeps_the_real_models_sections(tmp_path):
     page = tmp_path / "p.md"
     page.write_text("# Old\n\n## On SmolLM2\n\n<!-- smollm2-x -->\nkept\n<!-- /smollm2-x -->\n\n"
+                    "## On Qwen\n\n<!-- qwen-x -->\nqkept\n<!-- /qwen-x -->\n\n"
                     "## On tiny-retrieval (earlier; not a language model)\nold body\n")
     report.write_page(page, "# New\nnew body\n")
     text = page.read_text()
     assert text.startswith("# New\n\n## On SmolLM2\n\n<!-- smollm2-x -->\nkept\n")
+    assert "## On Qwen\n\n<!-- qwen-x -->\nqkept\n<!-- /qwen-x -->" in text
     assert "new body" in text and "old body" not in text
     report.write_page(tmp_path / "q.md", "# Fresh\nbody\n")
     assert (tmp_path / "q.md").read_text() == "# Fresh\nbody\n"
