@@ -86,6 +86,11 @@ def test_the_fused_log_sum_exp_gives_the_column_sums():
     want = scoring.cumulative_attention(q, k, pos, valid, kpos, kval, 128)
     got = scoring.cumulative_attention(q, k, pos, valid, kpos, kval, 128, lse_BKGT=lse)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(want)))
+    # a bf16 log-sum-exp (what jax returns from cuDNN for bf16 queries) changes nothing
+    rounded = lse.astype(jnp.bfloat16).astype(jnp.float32)
+    assert float(jnp.max(jnp.where(real, jnp.abs(rounded - lse), 0))) > 1e-3
+    got = scoring.cumulative_attention(q, k, pos, valid, kpos, kval, 128, lse_BKGT=rounded)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(want)))
 
 
 @pytest.mark.parametrize("name, kw", [("full", {}), ("snapkv", dict(budget=40, window=8)),

@@ -122,11 +122,13 @@ def cumulative_attention(
 def _band_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, block,
                       lse_BKGT):
     """`cumulative_attention` in query bands given each query's log-sum-exp (the fused
-    prompt attention's, `attention.attend_fused`): a band's probabilities are
-    exp(s - lse) directly, without the max, sum and division of its softmax. On a GPU the
-    prompt attention stays cuDNN's and this pass is a [block, S] matmul and one
-    elementwise exp-and-reduce per band (issue 52, item 2: the bands with their own
-    softmax made H2O's prefill 7x full's at 32k)."""
+    prompt attention's, `attention.attend_fused`): the log-sum-exp replaces the softmax's
+    max pass as the shift, so a band is one [block, S] matmul, one exp and two sums. Each
+    row is still divided by its own sum (a band holds whole rows): jax returns cuDNN's
+    log-sum-exp in the output dtype, and a bf16 one is off by up to ~0.03, a 3% scale on
+    the row that the division removes. On a GPU the prompt attention stays cuDNN's
+    (issue 52, item 2: the bands with their own softmax made H2O's prefill 7x full's at
+    32k)."""
     B, T, H, D = q_BTHD.shape
     K = k_BKSD.shape[1]
     block = min(block, T)
@@ -147,7 +149,8 @@ def _band_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, 
         q, p, lse = xs
         ok = attention.mask(p, kpos_BKS, kvalid_BKS)[:, :, None]
         e = jnp.where(ok, jnp.exp(attention.logits(q, k_BKSD) - lse[..., None]), 0.0)
-        return acc + jnp.sum(e, axis=3), None
+        z = jnp.sum(e, axis=-1, keepdims=True)
+        return acc + jnp.sum(e / jnp.where(z > 0, z, 1.0), axis=3), None
 
     init = jnp.zeros((B, K, H // K, k_BKSD.shape[2]), jnp.float32)
     return jax.lax.scan(one, init, (qb, pb, lb))[0]
