@@ -59,28 +59,50 @@ def fold_query_blocks(
     kpos_BKS: Int[Array, "B K S"],
     kvalid_BKS: Bool[Array, "B K S"],
     block: int = 256,
+    lse_BKGT: Float[Array, "B K G T"] | None = None,
 ) -> Any:
     """`carry = step(carry, probs [B, K, G, b, S], ok [B, K, b, S], qvalid [B, b])` over
     blocks of `block` queries of the causal softmax (a `lax.scan`), so that at most
-    [B, H, block, S] exists at a time; the last block is padded with invalid queries."""
+    [B, H, block, S] exists at a time; the last block is padded with invalid queries.
+
+    `lse_BKGT`: each query's log-sum-exp over these keys, where the prompt attention
+    computed it (the fused call's, `attention.attend_fused`): it shifts the scores in place
+    of the softmax's max pass. Each row is still divided by its own sum (a band holds whole
+    rows): jax returns cuDNN's log-sum-exp in the output dtype, and a bf16 one is off by up
+    to ~0.03, a 3% scale the division removes. On a GPU the prompt attention then stays
+    cuDNN's (issue 52, item 2: the chunked attention made H2O's prefill 7x full's at 32k)."""
     B, T, H, D = q_BTHD.shape
+    K = k_BKSD.shape[1]
     block = min(block, T)
     nb = -(-T // block)
     pad = nb * block - T
+    given = lse_BKGT is not None
+    if not given:  # an empty stand-in for the scan
+        lse_BKGT = jnp.zeros((B, K, H // K, T), jnp.float32)
     if pad:
         q_BTHD = jnp.pad(q_BTHD, [(0, 0), (0, pad), (0, 0), (0, 0)])
         qpos_BT = jnp.pad(qpos_BT, [(0, 0), (0, pad)])
         qvalid_BT = jnp.pad(qvalid_BT, [(0, 0), (0, pad)])
+        lse_BKGT = jnp.pad(lse_BKGT, [(0, 0), (0, 0), (0, 0), (0, pad)])
     qb = q_BTHD.reshape(B, nb, block, H, D).swapaxes(0, 1)
     pb = qpos_BT.reshape(B, nb, block).swapaxes(0, 1)
     vb = qvalid_BT.reshape(B, nb, block).swapaxes(0, 1)
+    lb = lse_BKGT.reshape(B, K, H // K, nb, block).transpose(3, 0, 1, 2, 4)
 
     def one(carry, xs):
-        q, p, v = xs
+        q, p, v, lse = xs
         ok = attention.mask(p, kpos_BKS, kvalid_BKS)
-        return step(carry, attention.softmax(attention.logits(q, k_BKSD), ok), ok, v), None
+        s = attention.logits(q, k_BKSD)
+        if given:
+            # +inf (a query that sees no key) gives exp(-inf) = 0, as the softmax's zeros
+            e = jnp.where(ok[:, :, None], jnp.exp(s - lse[..., None]), 0.0)
+            z = jnp.sum(e, axis=-1, keepdims=True)
+            probs = e / jnp.where(z > 0, z, 1.0)
+        else:
+            probs = attention.softmax(s, ok)
+        return step(carry, probs, ok, v), None
 
-    return jax.lax.scan(one, init, (qb, pb, vb))[0]
+    return jax.lax.scan(one, init, (qb, pb, vb, lb))[0]
 
 
 def cumulative_attention(
@@ -102,58 +124,18 @@ def cumulative_attention(
     [block, block] tiles when T and S are multiples of `block` (`_tiled_column_sums`).
     `lse_BKGT`: each query's log-sum-exp over these keys, where the prompt attention
     computed it (`LayerIO.lse`): the tiled form then skips its first pass, the query-band
-    form its softmax (`_band_column_sums`)."""
+    form its max pass (`fold_query_blocks`)."""
     B, T, H, D = q_BTHD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
     if tiled and T % block == 0 and S % block == 0:
         return _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS,
                                   block, lse_BKGT)
-    if lse_BKGT is not None:
-        return _band_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS,
-                                 block, lse_BKGT)
 
     def step(acc, probs, ok, v):
         return acc + jnp.sum(jnp.where(v[:, None, None, :, None], probs, 0.0), axis=3)
 
     return fold_query_blocks(step, jnp.zeros((B, K, H // K, S), jnp.float32), q_BTHD, k_BKSD,
-                             qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, block)
-
-
-def _band_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, block,
-                      lse_BKGT):
-    """`cumulative_attention` in query bands given each query's log-sum-exp (the fused
-    prompt attention's, `attention.attend_fused`): the log-sum-exp replaces the softmax's
-    max pass as the shift, so a band is one [block, S] matmul, one exp and two sums. Each
-    row is still divided by its own sum (a band holds whole rows): jax returns cuDNN's
-    log-sum-exp in the output dtype, and a bf16 one is off by up to ~0.03, a 3% scale on
-    the row that the division removes. On a GPU the prompt attention stays cuDNN's
-    (issue 52, item 2: the bands with their own softmax made H2O's prefill 7x full's at
-    32k)."""
-    B, T, H, D = q_BTHD.shape
-    K = k_BKSD.shape[1]
-    block = min(block, T)
-    nb = -(-T // block)
-    pad = nb * block - T
-    # a padding query, or one seeing no key (+inf), adds exp(-inf) = 0
-    lse_BKGT = jnp.where(qvalid_BT[:, None, None], lse_BKGT, jnp.inf)
-    if pad:
-        q_BTHD = jnp.pad(q_BTHD, [(0, 0), (0, pad), (0, 0), (0, 0)])
-        qpos_BT = jnp.pad(qpos_BT, [(0, 0), (0, pad)])
-        lse_BKGT = jnp.pad(lse_BKGT, [(0, 0), (0, 0), (0, 0), (0, pad)],
-                           constant_values=jnp.inf)
-    qb = q_BTHD.reshape(B, nb, block, H, D).swapaxes(0, 1)
-    pb = qpos_BT.reshape(B, nb, block).swapaxes(0, 1)
-    lb = lse_BKGT.reshape(B, K, H // K, nb, block).transpose(3, 0, 1, 2, 4)
-
-    def one(acc, xs):
-        q, p, lse = xs
-        ok = attention.mask(p, kpos_BKS, kvalid_BKS)[:, :, None]
-        e = jnp.where(ok, jnp.exp(attention.logits(q, k_BKSD) - lse[..., None]), 0.0)
-        z = jnp.sum(e, axis=-1, keepdims=True)
-        return acc + jnp.sum(e / jnp.where(z > 0, z, 1.0), axis=3), None
-
-    init = jnp.zeros((B, K, H // K, k_BKSD.shape[2]), jnp.float32)
-    return jax.lax.scan(one, init, (qb, pb, lb))[0]
+                             qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, block, lse_BKGT)
 
 
 def _tiled_column_sums(q_BTHD, k_BKSD, qpos_BT, qvalid_BT, kpos_BKS, kvalid_BKS, block,

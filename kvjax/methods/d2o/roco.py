@@ -64,11 +64,13 @@ def attention_moments(
     kpos_BKS: Int[Array, "B K S"],
     kvalid_BKS: Bool[Array, "B K S"],
     block: int = 256,
+    lse_BKGT: Float[Array, "B K G S"] | None = None,
 ) -> tuple[Float[Array, "B K S"], Float[Array, "B K S"], Float[Array, "B K S"]]:
     """RoCo's moments of the causal attention every key receives (arXiv 2402.06262; EasyKV
     `h2o_head_score` with squares): (sum_t a_tj, sum_t a_tj^2, count of queries t that see j)
     with a = the softmax averaged over the G query heads of the KV head, over the valid
-    queries. Queries run in blocks of `block` (at most [B, H, block, S] at a time)."""
+    queries. Queries run in blocks of `block` (at most [B, H, block, S] at a time);
+    `lse_BKGT` as in `scoring.fold_query_blocks`."""
     B, K, S = kvalid_BKS.shape
 
     def step(carry, probs, ok, v):
@@ -81,7 +83,7 @@ def attention_moments(
 
     z = jnp.zeros((B, K, S), jnp.float32)
     return scoring.fold_query_blocks(step, (z, z, z), q_BTHD, k_BKSD, qpos_BT, qvalid_BT,
-                                     kpos_BKS, kvalid_BKS, block)
+                                     kpos_BKS, kvalid_BKS, block, lse_BKGT)
 
 
 def mean_std(s_BKC: Float[Array, "B K C"], s2_BKC: Float[Array, "B K C"],
@@ -143,7 +145,7 @@ class RoCo(DecodeEviction):
         applied once to the whole prompt); the kept entries' moments go to `finalize`."""
         T = io.k.shape[2]
         s, s2, c = attention_moments(io.q, io.k, io.qpos, io.valid[:, 0], io.pos, io.valid,
-                                     self.block)
+                                     self.block, io.lse)
         mean, std = mean_std(s, s2, c)
         sc = jnp.where(self.protected(io.pos, io.valid, std), jnp.inf,
                        jnp.where(io.valid, mean, -jnp.inf))

@@ -76,7 +76,7 @@ def all_rows_preference(io: LayerIO, ddof: int, block: int = 256):
 
     zeros = jnp.zeros((B, K, G, T), jnp.float32)
     init = (jnp.zeros((B,), jnp.float32), zeros, jnp.zeros((B, K, T), jnp.int32))
-    ent, s1, n = scoring.fold_query_blocks(first, init, *args, block=block)
+    ent, s1, n = scoring.fold_query_blocks(first, init, *args, block=block, lse_BKGT=io.lse)
     nf = n[:, :, None, :].astype(jnp.float32)
     mean = s1 / jnp.maximum(nf, 1.0)
 
@@ -84,7 +84,7 @@ def all_rows_preference(io: LayerIO, ddof: int, block: int = 256):
         d = jnp.where((ok & v[:, None, :, None])[:, :, None], p - mean[:, :, :, None, :], 0.0)
         return c + jnp.sum(d * d, axis=3)
 
-    s2 = scoring.fold_query_blocks(second, zeros, *args, block=block)
+    s2 = scoring.fold_query_blocks(second, zeros, *args, block=block, lse_BKGT=io.lse)
     var = jnp.where(nf > ddof, s2 / jnp.maximum(nf - ddof, 1.0), 0.0)
     var = jnp.where(io.valid[:, :, None, :], var, 0.0)
     n_real = jnp.sum(qvalid, axis=-1).astype(jnp.float32)
