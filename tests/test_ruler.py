@@ -127,7 +127,9 @@ def test_samples_do_not_depend_on_what_building_the_tokenizer_draws(tmp_path, mo
     """RULER's generators seed, then build the tokenizer, then draw every sample: a tokenizer
     library whose import draws from Python's random (rich, under huggingface_hub 1.x) shifted
     every sample. kvjax builds it outside the seeded streams (`ruler_launch`): the same
-    samples when every generator process starts with a tokenizer that draws from both."""
+    samples when every generator process starts with a tokenizer that draws from both
+    (cwe draws from Python's global generator, fwe from numpy's; niah's and vt's 25-120 s
+    here would say no more)."""
     from kvjax import api
 
     tok = api.load_tokenizer("smollm2-135m")
@@ -139,7 +141,7 @@ def test_samples_do_not_depend_on_what_building_the_tokenizer_draws(tmp_path, mo
             (tmp_path / "site" / "sitecustomize.py").write_text(site)
             monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
                 [str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]))
-        made.append([ruler.generate(tok, t, 1024, 2).read_text() for t in ("niah_single_1", "fwe")])
+        made.append([ruler.generate(tok, t, 512, 2).read_text() for t in ("cwe", "fwe")])
     assert made[0] == made[1]
 
 
