@@ -71,10 +71,16 @@ def test_samples_equal_prepare_py_on_an_hf_checkpoint(task, tmp_path, cache):
     env = {**os.environ, "NLTK_DATA": str(ruler.punkt_dir()), "HF_HUB_OFFLINE": "1",
            "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])}
     if _tokenizer_draws_from_the_seeded_stream(d, env):
-        pytest.skip("building an HF tokenizer here draws from Python's seeded random (e.g. "
-                    "huggingface_hub 1.x: httpx imports rich): prepare.py's own samples are "
-                    "shifted here, kvjax's are not (test_samples_do_not_depend_on_what_"
-                    "building_the_tokenizer_draws); a fresh install has no such draw")
+        # building the tokenizer draws from RULER's seeded stream here (huggingface_hub 1.x,
+        # which kvpress's transformers brings: httpx imports rich, whose import draws):
+        # prepare.py's own samples would be shifted. Its reference run then starts with
+        # transformers imported (a sitecustomize), before RULER seeds: RULER's code as it
+        # is, its samples the seed's own, as where the import draws nothing.
+        (tmp_path / "site").mkdir()
+        (tmp_path / "site" / "sitecustomize.py").write_text("import transformers\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"),
+                                             env.get("PYTHONPATH", "")])
+        assert not _tokenizer_draws_from_the_seeded_stream(d, env)
     ours = ruler.generate(api._tokenizer(d)[0], task, 4096, 5)
     data = ruler.check_installed()
     subprocess.run([sys.executable, "prepare.py", "--save_dir", str(tmp_path / "ref"),
