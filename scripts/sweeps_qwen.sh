@@ -48,7 +48,7 @@ EOF
 
 run() {  # file, then arguments
   local f=$D/$1; shift
-  if [ -e "$f" ]; then $R "$@" --output "$f" --resume; else $R "$@" --output "$f"; fi
+  if [ -e "$f" ] || [ -e "$f.batches" ]; then $R "$@" --output "$f" --resume; else $R "$@" --output "$f"; fi
 }
 
 TASKS=$(solved)

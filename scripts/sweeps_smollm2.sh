@@ -10,7 +10,7 @@ run() {  # context, file, then arguments; TASK=name: another task than niah_sing
   # EVERY=1: slim every method's per-sample statistics, not only the uniform layer_budgets
   local f=$D/$2 r=${R/--context 1024/--context $1}; shift 2
   r=${r/--task niah_single/--task ${TASK:-niah_single}}
-  if [ -e "$f" ]; then $r "$@" --output "$f" --resume; else $r "$@" --output "$f"; fi
+  if [ -e "$f" ] || [ -e "$f.batches" ]; then $r "$@" --output "$f" --resume; else $r "$@" --output "$f"; fi
   python scripts/smollm2_results.py --slim "$f" ${EVERY:+--every-method}  # docs stay small
 }
 sweep() { run 1024 "$@"; }

@@ -358,6 +358,28 @@ def test_cli_resume_keeps_the_finished_batches(model_dir, tmp_path, capsys, monk
     assert drop(report.load_records(out)) == drop(report.load_records(whole))
 
 
+def test_cli_refuses_to_drop_the_batches_of_a_sweep_stopped_before_its_first_record(
+        model_dir, tmp_path, capsys, monkeypatch):
+    """Stopped in its first chunk, a sweep has no record yet, only finished batches: the
+    same command without --resume is refused (it would start a new batches file), and
+    --resume runs only what is missing."""
+    out = tmp_path / "r.jsonl"
+    side = tmp_path / "r.jsonl.batches"
+    argv = [*_sweep(model_dir, out, "--batch-size", "1"), "--samples", "2"]
+    _failing_on(monkeypatch, 2, KeyboardInterrupt())
+    assert _main(capsys, *argv)[0] == 130
+    assert not out.exists() and len(side.read_text().splitlines()) == 1
+    _failing_on(monkeypatch, 0, None)
+    rc, err = _main(capsys, *argv)
+    assert rc == 2 and err.splitlines()[-1] == (
+        f"error: --output {out}: {side} holds the finished batches of a stopped sweep: "
+        "--resume continues it, --overwrite discards them")
+    assert len(side.read_text().splitlines()) == 1
+    calls = _failing_on(monkeypatch, 0, None)
+    assert _main(capsys, *argv, "--resume")[0] == 0
+    assert len(calls) == 5 and not side.exists()  # 6 batches, 1 kept
+
+
 def test_cli_ctrl_c_keeps_records_in_process(model_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "r.json"
     _failing_on(monkeypatch, 2, KeyboardInterrupt())

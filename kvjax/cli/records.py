@@ -82,6 +82,12 @@ class Output:
         if path.exists() and not (resume or overwrite):
             raise UsageError(f"--output {path} exists: --resume continues it, --overwrite "
                              "replaces it")
+        side = path.with_name(path.name + ".batches")
+        if self.lines and side.exists() and not (resume or overwrite):
+            # a sweep stopped before its first record: only its batches exist, and a new
+            # run would start a new batches file (`Batches`), dropping them
+            raise UsageError(f"--output {path}: {side} holds the finished batches of a "
+                             "stopped sweep: --resume continues it, --overwrite discards them")
         if path.exists() and not os.access(path, os.W_OK):
             raise UsageError(f"--output {path} is not writable")
         try:
