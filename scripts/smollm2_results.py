@@ -490,13 +490,16 @@ def qwen_baselines(ctx: int = 4096) -> str:
             f"#### {task}\n\nRULER's samples {skip}-{skip + recs[0]['samples'] - 1} "
             f"(`--ruler-skip {skip}`: the calibration chose the task on samples 0-15), "
             f"plain prompts, {ctx} tokens, question-aware, "
-            f"seed 0; {report.model_line(recs)}. Full cache: {fmt(full)}. Records: `{rel}` "
+            f"seed {recs[0]['seed']}; {report.model_line(recs)}. Full cache: {fmt(full)}. Records: `{rel}` "
             f"({_sweep_minutes(recs):.0f} min on 2 cores by their own clocks).\n\n"
             + table(recs) + "\n\n" + claims(recs, QWEN_PAIRS, budgets(ctx)))
     for f in sorted(QWEN.glob(f"baselines_*_{ctx}.jsonl.batches")):
         jobs = {}
         for line in f.read_text().splitlines():
-            piece = json.loads(line)
+            try:  # a line cut off by a kill is skipped, as `--resume` skips it
+                piece = json.loads(line)
+            except ValueError:
+                continue
             jobs.setdefault(piece["job"], set()).update(piece["idx"])
         done = min(len(v) for v in jobs.values())
         going.append(f"`{f.name[:-len('.batches')]}` (under way: {len(jobs)} cells have "

@@ -77,17 +77,17 @@ def fold_query_blocks(
     nb = -(-T // block)
     pad = nb * block - T
     given = lse_BKGT is not None
-    if not given:  # an empty stand-in for the scan
-        lse_BKGT = jnp.zeros((B, K, H // K, T), jnp.float32)
     if pad:
         q_BTHD = jnp.pad(q_BTHD, [(0, 0), (0, pad), (0, 0), (0, 0)])
         qpos_BT = jnp.pad(qpos_BT, [(0, 0), (0, pad)])
         qvalid_BT = jnp.pad(qvalid_BT, [(0, 0), (0, pad)])
-        lse_BKGT = jnp.pad(lse_BKGT, [(0, 0), (0, 0), (0, 0), (0, pad)])
+        if given:
+            lse_BKGT = jnp.pad(lse_BKGT, [(0, 0), (0, 0), (0, 0), (0, pad)])
     qb = q_BTHD.reshape(B, nb, block, H, D).swapaxes(0, 1)
     pb = qpos_BT.reshape(B, nb, block).swapaxes(0, 1)
     vb = qvalid_BT.reshape(B, nb, block).swapaxes(0, 1)
-    lb = lse_BKGT.reshape(B, K, H // K, nb, block).transpose(3, 0, 1, 2, 4)
+    # None (no log-sum-exp) is an empty pytree: the scan carries nothing for it
+    lb = lse_BKGT.reshape(B, K, H // K, nb, block).transpose(3, 0, 1, 2, 4) if given else None
 
     def one(carry, xs):
         q, p, v, lse = xs
