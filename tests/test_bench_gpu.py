@@ -5,9 +5,12 @@ scores). What it measures on CPU says nothing about a GPU; that it runs is what 
 
 from __future__ import annotations
 
+import pytest
+
 from kvjax.bench import gpu
 
 
+@pytest.mark.slow  # 65 s on 2 cores; run it (-m slow) before a session's GPU call
 def test_small_check_writes_every_section(tmp_path):
     out = tmp_path / "gpu.md"
     both = "snapkv,critical_headkv"

