@@ -498,16 +498,16 @@ def verdict_screen(results: Path) -> list[str]:
 
 
 def readme_claims(results: Path, shown: int = 4) -> str:
-    """The README's claims table: per paper and model, the verdicts counted, and its
-    decided comparisons (holds, does not hold; the first `shown`)."""
+    """The README's claims table: per paper, claim and model, the verdicts counted, and
+    its decided comparisons (holds, does not hold; the first `shown`)."""
     path = results / "claims.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     groups: dict[tuple, list] = defaultdict(list)
     for r in rows:
-        groups[r["paper"], r["model"]].append(r)
+        groups[r["paper"], r["claim"], r["model"]].append(r)
     out = ["| paper | claim | model | holds | does not hold | cannot tell | uninformative | "
            "decided comparisons (a vs b: accuracy %, a wins : b wins) |", "|---" * 8 + "|"]
-    for (paper, model), rs in sorted(groups.items()):
+    for (paper, claim, model), rs in sorted(groups.items()):
         n = {v: sum(r["verdict"] == v for r in rs) for v in ("holds", "does not hold",
                                                             "cannot tell", "uninformative")}
         decided = [r for r in rs if r["verdict"] in ("holds", "does not hold")]
@@ -518,7 +518,7 @@ def readme_claims(results: Path, shown: int = 4) -> str:
             for r in decided[:shown])
         if len(decided) > shown:
             text += f"; {len(decided) - shown} more in the overview"
-        out.append(f"| {paper} | {rs[0]['claim']} | {model} | {n['holds']} | "
+        out.append(f"| {paper} | {claim} | {model} | {n['holds']} | "
                    f"{n['does not hold']} | {n['cannot tell']} | {n['uninformative']} | "
                    f"{text or 'none'} |")
     return "\n".join(out)
