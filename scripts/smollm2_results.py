@@ -250,7 +250,10 @@ CLAIM_WORDS = {"SnapKV": "SnapKV keeps what full keeps, above H2O, TOVA and Stre
                "ASL": "ASL beats FastKV and GemFilter at equal KV"}
 # a paper's "no worse than full" rows where its own claim is an ordering
 NO_WORSE_WORDS = {"AdaKV": "Ada-SnapKV and Ada-PyramidKV keep full's accuracy (within 5 points)",
-                  "PyramidKV": "PyramidKV keeps full's accuracy (within 5 points)"}
+                  "PyramidKV": "PyramidKV keeps full's accuracy (within 5 points)",
+                  "LAVa": "LAVa and CAKE keep full's accuracy (within 5 points)",
+                  "CriticalKV": "the critical rule keeps full's accuracy (within 5 points)",
+                  "D2O": "D2O keeps full's accuracy (within 5 points)"}
 DEV_SEED = 1
 DEV_KERNELS = (5, 7, 11, 17, 21)
 
@@ -294,6 +297,20 @@ def _nondefault(r: dict) -> dict:
             if k not in ("budget", "select_k") and default.get(k) != v}
 
 
+def _tuned_on(x: dict, y: dict):
+    """Where a non-default kernel of either arm was chosen: SmolLM2's on the dev seed (or
+    seed 0, the seed judged), Qwen's on RULER's dev samples; None at the default."""
+    kernels = {_nondefault(r).get("kernel") for r in (x, y)} - {None}
+    if not kernels:
+        return None
+    if x["model"].startswith("qwen"):
+        return f"RULER samples {QWEN_DEV_SKIP}-{QWEN_DEV_SKIP + 49}" \
+            if kernels == {qwen_dev_kernel()[0]} else 0
+    if kernels != {TUNED["kernel"]}:
+        return None
+    return DEV_SEED if dev_kernel()[0] == TUNED["kernel"] else 0
+
+
 def _register(ra: list[dict], rb: list[dict], part: str, scenario: str) -> int:
     """A comparison's registry row (its statistics; Holm and the verdict come in `main`);
     the same comparison read on two pages is one row."""
@@ -315,9 +332,7 @@ def _register(ra: list[dict], rb: list[dict], part: str, scenario: str) -> int:
            "a": a, "b": b, "kind": kind, "margin": cl.MARGIN if kind == "no worse" else None,
            "records": files, "a_records": [cl.record_key(r) for r in ra],
            "b_records": [cl.record_key(r) for r in rb], "seed": x["seed"],
-           "tuned_on": (None if not any(_nondefault(r).get(k) == v for r in (x, y)
-                                        for k, v in TUNED.items())
-                        else DEV_SEED if dev_kernel()[0] == TUNED["kernel"] else 0),
+           "tuned_on": _tuned_on(x, y),
            "page": f"docs/results/{PAGE['name']}.md"}
     a_s, b_s = cl.scores_of(ra, rb)
     binary = cl.is_binary(a_s + b_s)
@@ -519,6 +534,98 @@ def qwen_baselines(ctx: int = 4096) -> str:
     if not blocks:
         head += " No task's sweep is complete yet."
     return "\n\n".join([head, *blocks])
+
+
+# The pooling kernel on Qwen2.5-Coder-0.5B (`scripts/sweeps_qwen.sh pooling`): chosen on RULER
+# samples 66-115 (dev), never on the 16-65 every Qwen claim is judged on
+QWEN_DEV_SKIP = 66
+QWEN_KERNELS = (7, 17)
+
+
+@functools.cache
+def qwen_dev_kernel(task: str = "niah_multikey_2", ctx: int = 4096) -> tuple[int | None, str,
+                                                                             list[dict]]:
+    """SnapKV's kernel for the Qwen claims: the best mean accuracy of SnapKV and Ada-SnapKV
+    at 1/8 and 1/16 on the dev samples, 7 (the default) unless another does better; (None,
+    why, records) until every kernel's sweep is complete."""
+    means, recs = {}, []
+    for k in QWEN_KERNELS:
+        f = QWEN / f"dev_pool_k{k}_{task}_{ctx}.jsonl"
+        got = [r for r in report.load_records(f) if r["samples"] >= 50] if f.exists() else []
+        if len(got) < 4 or any(r.get("ruler_skip") != QWEN_DEV_SKIP for r in got):
+            return None, f"the dev sweep of kernel {k} is not complete", recs
+        recs += [{**r, "_files": [str(f.relative_to(ROOT))]} for r in got]
+        means[k] = sum(r["accuracy"] for r in got) / len(got)
+    best = max(means, key=lambda k: (means[k], k == 7, -k))
+    return best, ", ".join(f"kernel {k}: {100 * m:.0f}%" for k, m in means.items()), recs
+
+
+def qwen_pooling(task: str = "niah_multikey_2", ctx: int = 4096) -> str:
+    k, why, recs = qwen_dev_kernel(task, ctx)
+    if k is None:
+        return (f"Not measured yet ({why}): `nice bash scripts/sweeps_qwen.sh pooling "
+                f"ruler/{task}`.")
+    lines = [f"| method | kernel | @{ctx // 16} (1/16) | @{ctx // 8} (1/8) |", "|---|---|---|---|"]
+    for m in ("snapkv", "ada_snapkv"):
+        for kk in QWEN_KERNELS:
+            cells = [scored(find(recs, m, b, kernel=kk)) for b in (ctx // 16, ctx // 8)]
+            lines.append(f"| {m} | {kk} | " + " | ".join(fmt(c) if c else "not run"
+                                                        for c in cells) + " |")
+    return (f"ruler/{task}, RULER's samples {QWEN_DEV_SKIP}-{QWEN_DEV_SKIP + 49} (`--ruler-skip "
+            f"{QWEN_DEV_SKIP}`: the dev samples; the claims are judged on 16-65), plain prompts, "
+            f"{ctx} tokens, question-aware, max pooling, window 32; {report.model_line(recs)}. "
+            "Accuracy % [95% Wilson interval]. Records: `docs/results/qwen2.5-coder-0.5b/"
+            f"dev_pool_k*_{task}_{ctx}.jsonl` (`scripts/sweeps_qwen.sh pooling`).\n\n"
+            + "\n".join(lines) + f"\n\nMean accuracy over the four cells: {why}. Chosen: "
+            f"kernel {k}" + (" (the default; another kernel must do better to be chosen)."
+                             if k == 7 else "."))
+
+
+# scripts/sweeps_qwen.sh papers: each page's methods and declared comparisons ("a", "b"; the
+# SnapKV family and LAVa/CAKE at the kernel chosen on the dev samples); H2O, StreamingLLM and
+# full come from the baselines sweep on the same samples
+KERNELED = {"snapkv", "ada_snapkv", "pyramidkv", "lava", "cake", "critical_snapkv",
+            "critical_adakv"}
+QWEN_PAPER_PAIRS = {
+    "lava": [("lava", "full"), ("cake", "full"), ("lava", "ada_snapkv"), ("lava", "snapkv"),
+             ("lava", "pyramidkv"), ("lava", "cake"), ("ada_snapkv", "snapkv")],
+    "criticalkv": [("critical_snapkv", "full"), ("critical_adakv", "full"),
+                   ("critical_snapkv", "snapkv"), ("critical_adakv", "ada_snapkv")],
+    "d2o": [("d2o", "full"), ("d2o", "h2o"), ("d2o", "streaming_llm")],
+}
+
+
+def qwen_papers(page: str, ctx: int = 4096) -> str | None:
+    """A page's comparisons on Qwen2.5-Coder-0.5B from `scripts/sweeps_qwen.sh papers` and
+    the baselines sweep of the same task; None before any papers sweep is complete."""
+    k = qwen_dev_kernel()[0]
+    want = lambda m: {"kernel": k} if m in KERNELED else {}  # noqa: E731
+    pairs = [(a, b, want(a), want(b)) for a, b in QWEN_PAPER_PAIRS[page]]
+    shown = {m for ab in QWEN_PAPER_PAIRS[page] for m in ab}
+    blocks = []
+    for f in sorted(QWEN.glob(f"papers_*_{ctx}.jsonl")):
+        base = f.with_name(f.name.replace("papers_", "baselines_", 1))
+        recs = [{**r, "_files": [str(g.relative_to(ROOT))]} for g in (f, base) if g.exists()
+                for r in report.load_records(g) if r["samples"] >= 50]
+        if k is None or not {"full", "lava", "d2o"} <= {r["method"] for r in recs}:
+            continue
+        mine = [r for r in recs if r["method"] in shown
+                and all(params(r).get(kk) == v for kk, v in want(r["method"]).items())]
+        skip = recs[0].get("ruler_skip", 0)
+        blocks.append(
+            f"#### {recs[0]['task']}\n\nRULER's samples {skip}-{skip + 49}, plain prompts, "
+            f"{ctx} tokens, question-aware, seed {recs[0]['seed']}; {report.model_line(recs)}; "
+            f"pooling kernel {k} where a method has one (chosen on RULER's samples "
+            f"{QWEN_DEV_SKIP}-{QWEN_DEV_SKIP + 49}: pooling.md). Records: "
+            f"`{f.relative_to(ROOT)}` and, for full, H2O and StreamingLLM (and the SnapKV "
+            f"family at kernel 7), `{base.relative_to(ROOT)}`.\n\n"
+            + table(mine) + "\n\n" + claims(mine, pairs, budgets(ctx)))
+    if not blocks:
+        return None
+    return ("The papers' methods on the RULER tasks Qwen2.5-Coder-0.5B's full cache solves "
+            "at 4096, at 1/8 and 1/16 of the context, rendered by `python "
+            "scripts/smollm2_results.py` from `scripts/sweeps_qwen.sh papers`.\n\n"
+            + "\n\n".join(blocks))
 
 
 # LAVa's tasks at each context (the paper's claim is an average over tasks): each task's
@@ -971,7 +1078,19 @@ def main(argv=None) -> int:
     p.add_argument("--every-method", action="store_true",
                    help="with --slim: also drop per-batch statistics the samples repeat "
                         "and per-sample ones over 512 bytes")
+    p.add_argument("--qwen-kernel", action="store_true",
+                   help="print SnapKV's pooling kernel for the Qwen claims, chosen on RULER's "
+                        "dev samples (scripts/sweeps_qwen.sh pooling), and exit; exit 2 with "
+                        "the reason before that sweep is complete")
     a = p.parse_args(argv)
+    if a.qwen_kernel:
+        k, why, _ = qwen_dev_kernel()
+        if k is None:
+            print(f"error: no kernel chosen yet: {why} (scripts/sweeps_qwen.sh pooling)",
+                  file=sys.stderr)
+            return 2
+        print(k)
+        return 0
     if a.slim:
         for f in a.slim:
             slim(f, a.every_method)
@@ -992,6 +1111,11 @@ def main(argv=None) -> int:
         pages[page] = render()
     PAGE["name"] = "baselines"
     qwen = qwen_baselines()
+    qwen_pages = {}
+    for page in QWEN_PAPER_PAIRS:
+        PAGE["name"] = page
+        qwen_pages[page] = qwen_papers(page)
+    PAGE["name"] = "baselines"
     rows = write_registry()
     fill = lambda text: _fill(text, rows)  # noqa: E731
     report.replace_section(ROOT / "MODEL.md", "smollm2-calibration", fill(calib))
@@ -1002,6 +1126,12 @@ def main(argv=None) -> int:
                                    fill(body))
     report.replace_section(ROOT / "docs" / "results" / "baselines.md", "qwen-baselines",
                            fill(qwen))
+    report.replace_section(ROOT / "docs" / "results" / "pooling.md", "qwen-pooling",
+                           qwen_pooling())
+    for page, body in qwen_pages.items():
+        if body:
+            report.replace_section(ROOT / "docs" / "results" / f"{page}.md", f"qwen-{page}",
+                                   fill(body))
     print(f"rendered from {len(records)} records")
     return 0
 

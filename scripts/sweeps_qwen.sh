@@ -4,7 +4,8 @@
 # docs/results/qwen2.5-coder-0.5b/, resumable: re-run this script (or one line of it) to
 # finish what a stop cut off; commit the records as they come.
 #   nice bash scripts/sweeps_qwen.sh [SECTION [TASKS]]  # SECTION: baselines (default),
-#       pooling; TASKS: a comma list of the solved tasks to run, in that order (default all)
+#       pooling, papers; TASKS: a comma list of the solved tasks to run, in that order
+#       (default all)
 # A stopped sweep keeps its finished batches (<records>.jsonl.batches, commit them too) and
 # the re-run continues from the batch it was in, so a task's ~2 h may span sessions.
 #
@@ -25,6 +26,15 @@
 #   method against full ("no worse", 5 points), Ada-SnapKV vs SnapKV, Ada-PyramidKV vs
 #   PyramidKV, PyramidKV vs SnapKV, SnapKV vs H2O, TOVA and StreamingLLM ("better"), at
 #   each budget and task.
+# - papers: the five papers' methods that compress after the full prefill, on the same
+#   samples and budgets, one shared prefill a task (~1.5-2 h a task): LAVa, CAKE,
+#   CriticalKV over SnapKV and Ada-SnapKV, D2O, ObservedAttention, and the SnapKV family
+#   again where the pooling section chose another kernel than 7 (every method with a
+#   kernel runs at the chosen one: `--set METHOD.kernel`). Declared comparisons
+#   (scripts/smollm2_results.py, QWEN_PAPER_PAIRS): each method no worse than full; LAVa
+#   better than Ada-SnapKV, SnapKV, PyramidKV and CAKE; Ada-SnapKV better than SnapKV;
+#   critical_snapkv / critical_adakv better than SnapKV / Ada-SnapKV; D2O better than H2O
+#   and StreamingLLM (these two from the baselines sweep, same samples).
 set -u
 cd "$(dirname "$0")/.."
 D=docs/results/qwen2.5-coder-0.5b
@@ -72,5 +82,18 @@ case "${1:-baselines}" in
           --task "$t" --budget 512,256 --method snapkv,ada_snapkv --set kernel=$k
       done
     done ;;
-  *) echo "unknown section $1: baselines or pooling" >&2; exit 2 ;;
+  papers)
+    K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
+    M=lava,cake,critical_snapkv,critical_adakv,d2o,observed_attention
+    SETS=()
+    if [ "$K" != 7 ]; then
+      M=snapkv,ada_snapkv,pyramidkv,$M
+      for m in snapkv ada_snapkv pyramidkv lava cake critical_snapkv critical_adakv; do
+        SETS+=(--set "$m.kernel=$K")
+      done
+    fi
+    for t in ${TASKS//,/ }; do
+      run "papers_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512,256 --method "$M" "${SETS[@]}"
+    done ;;
+  *) echo "unknown section $1: baselines, pooling or papers" >&2; exit 2 ;;
 esac

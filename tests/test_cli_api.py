@@ -120,6 +120,23 @@ def test_cli_run_writes_records(model_dir, tmp_path):
                                       "trained_steps": None}
 
 
+def test_cli_sets_one_method_s_parameter_and_still_shares_the_prefill(model_dir, tmp_path):
+    """`--set snapkv.kernel=17` beside StreamingLLM, which has no kernel (a plain
+    `--set kernel=17` is refused for it): SnapKV's records carry the kernel, StreamingLLM's
+    its defaults, and the sweep keeps one prefill for both."""
+    out = tmp_path / "r.jsonl"
+    rc = cli.main(["--model", str(model_dir), "--method", "full,snapkv,streaming_llm",
+                   "--budget", "64", "--task", "passkey", "--context", "128", "--samples", "2",
+                   "--max-new-tokens", "2", "--set", "snapkv.kernel=17", "--set", "snapkv.window=16",
+                   "--output", str(out), "--no-progress"])
+    assert rc == 0
+    recs = {r["method"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert recs["snapkv"]["method_params"]["kernel"] == 17
+    assert recs["snapkv"]["method_params"]["window"] == 16
+    assert "kernel" not in recs["streaming_llm"]["method_params"]
+    assert {r["prefill"] for r in recs.values()} == {"shared"}
+
+
 def test_cli_drops_executables_past_its_limit(model_dir, tmp_path, monkeypatch):
     # a sweep drops its executables once it holds more than MAX_EXECUTABLES: all of them
     # stay mapped otherwise, and ~110 (method, budget) pairs exhaust vm.max_map_count
@@ -188,6 +205,12 @@ BAD = [
     (["--method", "snapkv", "--set", "window=8", "--set", "window=16"],
      "--set window is given twice"),
     (["--method", "full", "--set", "window=8"], "method 'full' has no parameter 'window'"),
+    (["--method", "snapkv", "--set", "h2o.window=8"],
+     "--set h2o.window: 'h2o' is not a --method of this run (snapkv)"),
+    (["--method", "snapkv", "--set", "window=8", "--set", "snapkv.window=16"],
+     "--set window and --set snapkv.window both set snapkv's window: give one"),
+    (["--method", "full,snapkv", "--set", "full.window=8"],
+     "method 'full' has no parameter 'window'"),
     (["--method", "snapkv", "--budget", "64", "--set", "budget=32"],
      "--set budget=32 conflicts with --budget"),
     (["--method", "snapkv", "--set", "window=500"],

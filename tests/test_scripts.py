@@ -60,3 +60,60 @@ def test_results_pooling_and_sweep_time(monkeypatch):
             rec("tova", "t1", [], ttft_s=42.0, ttft_own_s=12.0, **shared)]
     want = 2 * 30.0 + 2 * (6 + 5) + 2 * (12 + 5) + 2 * 6.0
     assert abs(s._sweep_minutes(recs) - want / 60) < 1e-9
+
+
+def test_qwen_kernel_is_chosen_on_the_dev_samples_and_read_by_the_papers(monkeypatch,
+                                                                          tmp_path):
+    """The Qwen kernel: the better mean of SnapKV and Ada-SnapKV on RULER's dev samples,
+    7 on a tie, none before both sweeps are complete; the papers' comparisons read the
+    methods with a kernel at the chosen one and take full, H2O and StreamingLLM from the
+    baselines sweep of the same task."""
+    import json
+
+    monkeypatch.syspath_prepend(str(SCRIPTS[0].parent))
+    import smollm2_results as s
+
+    monkeypatch.setattr(s, "ROOT", tmp_path)
+    monkeypatch.setattr(s, "QWEN", tmp_path)
+    monkeypatch.setattr(s, "REGISTRY", [])
+    monkeypatch.setattr(s, "TABLES", [])
+    monkeypatch.setitem(s.PAGE, "name", "lava")
+
+    def rec(method, budget, scores, skip, **params):
+        return {"method": method, "budget": budget, "scenario": "question_aware",
+                "samples": len(scores), "accuracy": sum(scores) / len(scores), "seed": 0,
+                "task": "ruler/t", "context_length": 4096, "ruler_skip": skip,
+                "model": "qwen2.5-coder-0.5b", "model_weights": {"sha256": "ab" * 32},
+                "method_params": {"budget": budget, **params}, "kv_fraction": 0.1,
+                "ttft_s": 1.0, "ttft_own_s": 0.1, "tpot_s": 0.1, "prefill": "shared",
+                "details": [{"score": x} for x in scores]}
+
+    def write(name, recs):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    def dev(k, hits):
+        write(f"dev_pool_k{k}_t_4096.jsonl",
+              [rec(m, b, [1] * hits + [0] * (50 - hits), 66, kernel=k)
+               for m in ("snapkv", "ada_snapkv") for b in (512, 256)])
+
+    chosen = lambda: (s.qwen_dev_kernel.cache_clear(), s.qwen_dev_kernel("t"))[1]  # noqa: E731
+    dev(7, 5)
+    assert chosen()[0] is None  # kernel 17's sweep missing
+    dev(17, 5)
+    assert chosen()[0] == 7  # a tie keeps the default
+    dev(17, 20)
+    assert chosen()[0] == 17
+
+    half = [1] * 25 + [0] * 25
+    write("baselines_t_4096.jsonl", [rec("full", None, [1] * 50, 16),
+                                     rec("snapkv", 512, [0] * 50, 16, kernel=7)])
+    write("papers_t_4096.jsonl", [rec(m, 512, half if m == "lava" else [0] * 50, 16, kernel=17)
+                                  for m in ("snapkv", "lava")] + [rec("d2o", 512, half, 16)])
+    monkeypatch.setattr(s, "qwen_dev_kernel", lambda *a: (17, "", []))
+    assert s.qwen_papers("lava") is not None
+    got = {(r["a"], r["b"]): r for r in s.REGISTRY}
+    # lava vs SnapKV at kernel 17 (the papers sweep's), never the baselines' kernel-7 record
+    assert got["lava[kernel=17]", "snapkv[kernel=17]"]["a_wins"] == 25
+    assert got["lava[kernel=17]", "full"]["b_wins"] == 25
+    assert got["lava[kernel=17]", "full"]["tuned_on"] == "RULER samples 66-115"
+    assert set(got) == {("lava[kernel=17]", "full"), ("lava[kernel=17]", "snapkv[kernel=17]")}

@@ -141,7 +141,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scenario", choices=SCENARIOS, default="question_aware")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a method hyperparameter, typed as the method's field "
-                        "(repeatable)")
+                        "(repeatable); KEY for every --method, METHOD.KEY for one of them "
+                        "(e.g. --set snapkv.kernel=17 beside d2o, which has no kernel: the "
+                        "methods still share one prefill)")
     p.add_argument("--batch-size", type=_INT(1), default=8,
                    help="samples per engine call, padded to a common length bucket (the "
                         "records equal batch 1's)")

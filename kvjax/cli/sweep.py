@@ -275,19 +275,40 @@ def plan(args, model, bases: dict, specs: list[TaskSpec] | None = None,
 
 
 def configured(name: str, extra: dict[str, str], args):
-    """The method `name` with the --set values typed against its fields."""
+    """The method `name` with the --set values typed against its fields: `KEY=V` sets
+    every method's KEY, `METHOD.KEY=V` only that method's."""
     from kvjax import methods
     from kvjax.methods import registry
 
     try:
         methods.get(name)
-        typed = {k: registry.parse_value(name, k, v) for k, v in extra.items()}
+        typed = {k: registry.parse_value(name, k, v)
+                 for k, v in _set_for(name, extra, args.method).items()}
         if "budget" in typed and (args.budget or args.ratio):
             raise ValueError(f"--set budget={extra['budget']} conflicts with "
                              f"--{'budget' if args.budget else 'ratio'}: give one")
         return methods.create(name, **typed)
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from e
+
+
+def _set_for(name: str, extra: dict[str, str], names: list[str]) -> dict[str, str]:
+    """The --set pairs that apply to method `name` among the sweep's `names`."""
+    mine: dict[str, str] = {}
+    for key, v in extra.items():
+        who, dot, field = key.rpartition(".")
+        if not dot:
+            who, field = name, key
+        elif who not in names:
+            raise ValueError(f"--set {key}: {who!r} is not a --method of this run "
+                             f"({', '.join(names)})")
+        if who != name:
+            continue
+        if field in mine:
+            raise ValueError(f"--set {field} and --set {name}.{field} both set {name}'s "
+                             f"{field}: give one")
+        mine[field] = v
+    return mine
 
 
 # ---- measuring one job ------------------------------------------------------------------
