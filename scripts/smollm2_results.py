@@ -236,13 +236,15 @@ def table(recs: list[dict], methods: set | None = None,
 PAPER = {"baselines": "SnapKV", "lava": "LAVa", "criticalkv": "CriticalKV", "d2o": "D2O",
          "sliminfer": "SlimInfer", "asl": "ASL"}
 PAPER_OF_METHOD = {"ada_snapkv": "AdaKV", "ada_pyramidkv": "AdaKV", "pyramidkv": "PyramidKV",
-                   "h2o": "H2O", "tova": "TOVA", "streaming_llm": "StreamingLLM"}
+                   "h2o": "H2O", "tova": "TOVA", "streaming_llm": "StreamingLLM",
+                   "observed_attention": "ObservedAttention"}
 CLAIM_WORDS = {"SnapKV": "SnapKV keeps what full keeps, above H2O, TOVA and StreamingLLM",
                "AdaKV": "Ada-SnapKV (adaptive head budgets) beats SnapKV",
                "PyramidKV": "PyramidKV beats SnapKV",
                "H2O": "H2O keeps full's accuracy (within 5 points)",
                "TOVA": "TOVA keeps full's accuracy (within 5 points)",
                "StreamingLLM": "StreamingLLM keeps full's accuracy (within 5 points)",
+               "ObservedAttention": "ObservedAttention keeps full's accuracy (within 5 points)",
                "LAVa": "LAVa >= Ada-SnapKV >= SnapKV; LAVa vs CAKE",
                "CriticalKV": "the critical rule beats its base method at every budget",
                "D2O": "D2O > H2O > StreamingLLM; merging helps",
@@ -488,7 +490,8 @@ QWEN_METHODS = ("snapkv", "ada_snapkv", "pyramidkv", "ada_pyramidkv", "h2o", "to
 QWEN_PAIRS = ([(m, "full", {}, {}) for m in QWEN_METHODS]
               + [("ada_snapkv", "snapkv", {}, {}), ("ada_pyramidkv", "pyramidkv", {}, {}),
                  ("pyramidkv", "snapkv", {}, {})]
-              + [("snapkv", o, {}, {}) for o in ("h2o", "tova", "streaming_llm")])
+              + [("snapkv", o, {}, {}) for o in ("h2o", "tova", "streaming_llm")]
+              + [("observed_attention", "full", {}, {})])  # from the papers sweep
 
 
 def qwen_baselines(ctx: int = 4096) -> str:
@@ -503,6 +506,11 @@ def qwen_baselines(ctx: int = 4096) -> str:
         recs = [{**r, "_files": [rel]} for r in report.load_records(f) if r["samples"] >= 50]
         if not {"full", "snapkv"} <= {r["method"] for r in recs}:
             continue
+        papers = f.with_name(f.name.replace("baselines_", "papers_", 1))
+        if papers.exists():  # the one baseline measured beside the papers' methods
+            recs += [{**r, "_files": [str(papers.relative_to(ROOT))]}
+                     for r in report.load_records(papers)
+                     if r["samples"] >= 50 and r["method"] == "observed_attention"]
         task = recs[0]["task"]
         full = scored(find(recs, "full"))
         skip = recs[0].get("ruler_skip", 0)
@@ -511,7 +519,9 @@ def qwen_baselines(ctx: int = 4096) -> str:
             f"(`--ruler-skip {skip}`: the calibration chose the task on samples 0-15), "
             f"plain prompts, {ctx} tokens, question-aware, "
             f"seed {recs[0]['seed']}; {report.model_line(recs)}. Full cache: {fmt(full)}. Records: `{rel}` "
-            f"({_sweep_minutes(recs):.0f} min on 2 cores by their own clocks).\n\n"
+            f"({_sweep_minutes(recs):.0f} min on 2 cores by their own clocks)"
+            + (f"; ObservedAttention's: `{papers.relative_to(ROOT)}`" if any(
+                r["method"] == "observed_attention" for r in recs) else "") + ".\n\n"
             + table(recs) + "\n\n" + claims(recs, QWEN_PAIRS, budgets(ctx)))
     for f in sorted(QWEN.glob(f"baselines_*_{ctx}.jsonl.batches")):
         jobs = {}
@@ -528,7 +538,8 @@ def qwen_baselines(ctx: int = 4096) -> str:
             "Qwen2.5-Coder-0.5B's full cache solves at 4096 (MODEL.md, "
             "`qwen2.5-coder-0.5b-ruler`), SnapKV's pooling kernel at its default 7, methods "
             "at their papers' defaults. Rendered by `python scripts/smollm2_results.py` from "
-            "the records of `scripts/sweeps_qwen.sh baselines`.")
+            "the records of `scripts/sweeps_qwen.sh baselines` (ObservedAttention, the ninth, from "
+            "`scripts/sweeps_qwen.sh papers`, on the same samples).")
     if going:
         head += " Sweeps not finished: " + "; ".join(going) + "."
     if not blocks:
