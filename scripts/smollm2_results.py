@@ -473,10 +473,16 @@ def baselines(ctx: int, task: str = TASK) -> str | None:
         files = f"{task}_{ctx}.jsonl and {task}_k17_{ctx}.jsonl"
     if not {"snapkv", "full"} <= {r["method"] for r in recs}:  # a sweep still under way
         return None
+    if task == TASK:  # the two baselines first measured in the gaps sweep
+        gaps = [r for r in records_at(ctx, "gaps_k17")
+                if r["method"] in ("ada_pyramidkv", "observed_attention")]
+        if gaps:
+            recs, files = recs + gaps, f"{files} and gaps_k17_{ctx}.jsonl"
     pairs = [("snapkv", o, k, {}) for k in ({"kernel": 7}, K17)
              for o in ("h2o", "tova", "streaming_llm")]
     pairs += [(o, "snapkv", k, k) for k in ({"kernel": 7}, K17)
               for o in ("ada_snapkv", "pyramidkv")]
+    pairs += [("ada_pyramidkv", "pyramidkv", K17, K17), ("observed_attention", "full", {}, {})]
     return (intro(ctx, recs, files, PYRAMID if any(r["method"] == "pyramidkv" for r in recs)
                   else "", task=task)
             + "\n\n" + table(recs) + "\n\n" + claims(recs, pairs, budgets(ctx)))
@@ -641,14 +647,17 @@ def qwen_papers(page: str, ctx: int = 4096) -> str | None:
 
 # LAVa's tasks at each context (the paper's claim is an average over tasks): each task's
 # records files; the first is the pages' niah_single
-LAVA_TASKS = {2048: ((TASK, (*BASE[2048], "lava_k17")),
+LAVA_TASKS = {2048: ((TASK, (*BASE[2048], "lava_k17", "gaps_k17")),
                      ("niah_single_ruler", ("lava_ruler_full", "lava_ruler_k17"))),
               1024: ((TASK, (*BASE[1024], "lava_k17")),
                      ("passkey", ("passkey", "passkey_k17", "lava_passkey_k17"))),
               4096: ((TASK, (*BASE[4096], "lava_k17")),)}
 LAVA_PAIRS = [("lava", "ada_snapkv", K17, K17), ("ada_snapkv", "snapkv", K17, K17),
-              ("lava", "snapkv", K17, K17), ("lava", "cake", K17, K17)]
-LAVA_SHOWN = {"full", "snapkv", "ada_snapkv", "pyramidkv", "lava", "cake"}
+              ("lava", "snapkv", K17, K17), ("lava", "cake", K17, K17),
+              # the ablations (Table 5): dynamic head and layer budgets each matter
+              ("lava", "lava_heads_only", K17, K17), ("lava", "lava_layers_only", K17, K17)]
+LAVA_SHOWN = {"full", "snapkv", "ada_snapkv", "pyramidkv", "lava", "cake", "lava_heads_only",
+              "lava_layers_only"}
 
 
 def lava(ctx: int) -> str | None:
@@ -691,12 +700,13 @@ def _pooled(groups: list[list[dict]]) -> list[dict]:
             for k in at[0] if all(k in a for a in at[1:])]
 
 
-def _layer_plot(ctx: int, recs: list[dict], task: str = TASK) -> str:
-    """The entries each layer kept (summed over its KV heads, mean over the samples) for the
-    methods whose layer budgets differ, one panel a budget:
-    docs/results/lava_layers_<task>_<ctx>.png (when the records carry `layer_totals`,
-    `slim`)."""
-    have = [r for r in recs if any("layer_totals" in d for d in r["details"])]
+def _layer_plot(ctx: int, recs: list[dict], task: str = TASK, key: str = "layer_totals",
+                page: str = "lava", heads: int = 3) -> str:
+    """The entries each layer kept (mean over the samples of the details' `key`: LAVa's
+    `layer_totals` are summed over the 3 KV heads, `heads` = 3; D2O's `layer_sizes` are a
+    head's, `heads` = 1) for the methods whose layer budgets differ, one panel a budget:
+    docs/results/<page>_layers_<task>_<ctx>.png (when the records carry `key`: `slim`)."""
+    have = [r for r in recs if any(key in d for d in r["details"])]
     if not have:
         return ""
     import matplotlib
@@ -705,28 +715,28 @@ def _layer_plot(ctx: int, recs: list[dict], task: str = TASK) -> str:
     import numpy as np
     from results_overview import _quantize
 
+    what = "summed over KV heads" if heads > 1 else "a KV head"
     at = [b for b, _ in budgets(ctx)]
     fig, axes = plt.subplots(1, len(at), figsize=(4.2 * len(at), 3.2), sharey=True)
     for ax, (b, part) in zip(axes, budgets(ctx)):
         for r in sorted((r for r in have if r["budget"] == b), key=_name):
-            t = np.array([d["layer_totals"] for d in r["details"]], float)
+            t = np.array([d[key] for d in r["details"]], float)
             ax.plot(np.arange(t.shape[1]), t.mean(0), label=_name(r))
-        ax.axhline(3 * b, color="grey", ls="--", lw=1, label="uniform")  # 3 KV heads
+        ax.axhline(heads * b, color="grey", ls="--", lw=1, label="uniform")
         ax.set_title(f"budget {b} ({part}) a head", fontsize=9)
         ax.set_xlabel("layer", fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("entries kept (sum over KV heads)", fontsize=9)
+    axes[0].set_ylabel(f"entries kept ({what})", fontsize=9)
     axes[-1].legend(fontsize=8, frameon=False)
     fig.suptitle(f"SmolLM2-135M, {task} {ctx}: layer budgets (mean of 50 samples)",
                  fontsize=10)
     fig.tight_layout()
-    path = ROOT / "docs" / "results" / f"lava_layers_{task}_{ctx}.png"
+    path = ROOT / "docs" / "results" / f"{page}_layers_{task}_{ctx}.png"
     fig.savefig(path, dpi=80)
     plt.close(fig)
     _quantize(path)
-    return (f"\n\nThe layer budgets chosen (entries kept per layer, summed over its 3 KV "
-            f"heads, mean over the samples; the records' `layer_totals`):\n\n"
-            f"![layer budgets, {task} at {ctx}]({path.name})")
+    return (f"\n\nThe layer budgets chosen (entries kept per layer, {what}, mean over the "
+            f"samples; the records' `{key}`):\n\n![layer budgets, {task} at {ctx}]({path.name})")
 
 
 def criticalkv(ctx: int) -> str | None:
@@ -820,14 +830,20 @@ def perturbation() -> str | None:
 
 
 def d2o(ctx: int) -> str | None:
-    recs = records_at(ctx, *BASE[ctx], "d2o")
+    recs = records_at(ctx, *BASE[ctx], "d2o", "gaps_k17")
     if not any(r["method"] == "d2o" for r in recs):
         return None
+    # D2O's tables compare it with H2O, StreamingLLM, RoCo and CaM; d2o_code is D2O as
+    # the authors' code reads it (docs/methods.md)
     pairs = [("d2o", "h2o", {}, {}), ("d2o", "streaming_llm", {}, {}),
-             ("h2o", "streaming_llm", {}, {})]
-    out = (intro(ctx, recs, f"d2o_{ctx}.jsonl and {_base_files(ctx)}",
-                 " D2O at its defaults (merging on).")
-           + "\n\n" + table(recs, {"full", "d2o", "h2o", "streaming_llm"}) + "\n\n"
+             ("h2o", "streaming_llm", {}, {}), ("d2o", "roco", {}, {}), ("d2o", "cam", {}, {}),
+             ("d2o_code", "h2o", {}, {}), ("d2o_code", "streaming_llm", {}, {})]
+    gaps = f" and gaps_k17_{ctx}.jsonl" if any(r["method"] == "roco" for r in recs) else ""
+    out = (intro(ctx, recs, f"d2o_{ctx}.jsonl{gaps} and {_base_files(ctx)}",
+                 " D2O at its defaults (merging on)" + ("; RoCo, CaM and d2o_code at theirs."
+                                                       if gaps else "."))
+           + "\n\n" + table(recs, {"full", "d2o", "d2o_code", "h2o", "streaming_llm", "roco",
+                                    "cam"}) + "\n\n"
            + claims(recs, pairs, budgets(ctx)))
     rho = records_at(ctx, "d2o_rho", "d2o_nomerge")
     if any(r["method"] == "d2o" for r in rho):
@@ -844,7 +860,8 @@ def d2o(ctx: int) -> str | None:
                 + table(rho + [r for r in recs if r["method"] == "full"],
                         {"full", "d2o", "h2o", "streaming_llm"}) + "\n\n"
                 + claims(rho, pairs, tuple(at)))
-    return out
+    return out + _layer_plot(ctx, [r for r in recs if r["method"] in ("d2o", "d2o_code")],
+                             key="layer_sizes", page="d2o", heads=1)
 
 
 def _t95(n: int) -> float:
