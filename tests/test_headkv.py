@@ -257,6 +257,26 @@ def test_bundled_scores_match_bundled_weights():
         "bundled model's: run `python -m kvjax.headkv_scores --model tiny-retrieval`")
 
 
+@pytest.mark.parametrize("path", sorted(p.name for p in headkv.SCORES_DIR.glob("*.json")
+                                         if p.stem != "tiny-retrieval"))
+def test_packaged_models_scores_match_their_weights(path):
+    """Each real model's head scores (SmolLM2-135M, Qwen2.5-Coder-0.5B) were computed on the
+    weights its packages install (skipped where they are not installed)."""
+    from kvjax.models import packaged
+
+    data = json.loads((headkv.SCORES_DIR / path).read_text())
+    try:
+        gguf = packaged.file(data["model"])
+    except FileNotFoundError as e:
+        pytest.skip(f"{data['model']} is not installed: {e}")
+    assert data["weights_sha256"] == checkpoint.weights_sha256(gguf), (
+        f"kvjax/assets/head_scores/{path} was computed for other weights: run `python -m "
+        f"kvjax.headkv_scores --model {data['model']}`")
+    s = np.asarray(data["head_scores"])
+    assert s.shape == (data["config"]["num_hidden_layers"],
+                       data["config"]["num_attention_heads"]) and np.all(s >= 0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["headkv", "critical_headkv", "critical_lava"])
 def test_cli_end_to_end(name, tmp_path):
