@@ -237,7 +237,7 @@ PAPER = {"baselines": "SnapKV", "lava": "LAVa", "criticalkv": "CriticalKV", "d2o
          "sliminfer": "SlimInfer", "asl": "ASL"}
 PAPER_OF_METHOD = {"ada_snapkv": "AdaKV", "ada_pyramidkv": "AdaKV", "pyramidkv": "PyramidKV",
                    "h2o": "H2O", "tova": "TOVA", "streaming_llm": "StreamingLLM",
-                   "observed_attention": "ObservedAttention"}
+                   "observed_attention": "ObservedAttention", "headkv": "HeadKV"}
 CLAIM_WORDS = {"SnapKV": "SnapKV keeps what full keeps, above H2O, TOVA and StreamingLLM",
                "AdaKV": "Ada-SnapKV (adaptive head budgets) beats SnapKV",
                "PyramidKV": "PyramidKV beats SnapKV",
@@ -245,6 +245,8 @@ CLAIM_WORDS = {"SnapKV": "SnapKV keeps what full keeps, above H2O, TOVA and Stre
                "TOVA": "TOVA keeps full's accuracy (within 5 points)",
                "StreamingLLM": "StreamingLLM keeps full's accuracy (within 5 points)",
                "ObservedAttention": "ObservedAttention keeps full's accuracy (within 5 points)",
+               "HeadKV": "HeadKV (head budgets from retrieval-reasoning scores) beats SnapKV "
+                         "and Ada-SnapKV",
                "LAVa": "LAVa >= Ada-SnapKV >= SnapKV; LAVa vs CAKE",
                "CriticalKV": "the critical rule beats its base method at every budget",
                "D2O": "D2O > H2O > StreamingLLM; merging helps",
@@ -474,15 +476,17 @@ def baselines(ctx: int, task: str = TASK) -> str | None:
     if not {"snapkv", "full"} <= {r["method"] for r in recs}:  # a sweep still under way
         return None
     if task == TASK:  # the two baselines first measured in the gaps sweep
-        gaps = [r for r in records_at(ctx, "gaps_k17")
-                if r["method"] in ("ada_pyramidkv", "observed_attention")]
-        if gaps:
-            recs, files = recs + gaps, f"{files} and gaps_k17_{ctx}.jsonl"
+        for name, ms in (("gaps_k17", ("ada_pyramidkv", "observed_attention")),
+                         ("headkv_k17", ("headkv",))):
+            more = [r for r in records_at(ctx, name) if r["method"] in ms]
+            if more:
+                recs, files = recs + more, f"{files} and {name}_{ctx}.jsonl"
     pairs = [("snapkv", o, k, {}) for k in ({"kernel": 7}, K17)
              for o in ("h2o", "tova", "streaming_llm")]
     pairs += [(o, "snapkv", k, k) for k in ({"kernel": 7}, K17)
               for o in ("ada_snapkv", "pyramidkv")]
-    pairs += [("ada_pyramidkv", "pyramidkv", K17, K17), ("observed_attention", "full", {}, {})]
+    pairs += [("ada_pyramidkv", "pyramidkv", K17, K17), ("observed_attention", "full", {}, {}),
+              ("headkv", "snapkv", K17, K17), ("headkv", "ada_snapkv", K17, K17)]
     return (intro(ctx, recs, files, PYRAMID if any(r["method"] == "pyramidkv" for r in recs)
                   else "", task=task)
             + "\n\n" + table(recs) + "\n\n" + claims(recs, pairs, budgets(ctx)))
@@ -497,7 +501,22 @@ QWEN_PAIRS = ([(m, "full", {}, {}) for m in QWEN_METHODS]
               + [("ada_snapkv", "snapkv", {}, {}), ("ada_pyramidkv", "pyramidkv", {}, {}),
                  ("pyramidkv", "snapkv", {}, {})]
               + [("snapkv", o, {}, {}) for o in ("h2o", "tova", "streaming_llm")]
-              + [("observed_attention", "full", {}, {})])  # from the papers sweep
+              # from the papers sweep
+              + [("observed_attention", "full", {}, {})])
+# HeadKV's, at the kernel the papers sweep ran it (`qwen_baselines`)
+QWEN_HEADKV = [("headkv", "snapkv"), ("headkv", "ada_snapkv")]
+
+
+def _qwen_pairs() -> list[tuple]:
+    """QWEN_PAIRS with the SnapKV family at its default kernel 7 (the baselines sweep's),
+    and HeadKV's comparisons at the kernel the papers sweep ran (`qwen_dev_kernel`)."""
+    k7 = lambda m: {"kernel": 7} if m in KERNELED else {}  # noqa: E731
+    pairs = [(a, b, k7(a), k7(b)) for a, b, _, _ in QWEN_PAIRS]
+    k = qwen_dev_kernel()[0]
+    if k is not None:
+        pairs += [("headkv", "full", {"kernel": k}, {})]
+        pairs += [(a, b, {"kernel": k}, {"kernel": k}) for a, b in QWEN_HEADKV]
+    return pairs
 
 
 def qwen_baselines(ctx: int = 4096) -> str:
@@ -515,8 +534,10 @@ def qwen_baselines(ctx: int = 4096) -> str:
         papers = f.with_name(f.name.replace("baselines_", "papers_", 1))
         if papers.exists():  # the one baseline measured beside the papers' methods
             recs += [{**r, "_files": [str(papers.relative_to(ROOT))]}
-                     for r in report.load_records(papers)
-                     if r["samples"] >= 50 and r["method"] == "observed_attention"]
+                     for r in report.load_records(papers) if r["samples"] >= 50
+                     and (r["method"] in ("observed_attention", "headkv") or (
+                         r["method"] in ("snapkv", "ada_snapkv")
+                         and params(r).get("kernel") != 7))]
         task = recs[0]["task"]
         full = scored(find(recs, "full"))
         skip = recs[0].get("ruler_skip", 0)
@@ -528,7 +549,7 @@ def qwen_baselines(ctx: int = 4096) -> str:
             f"({_sweep_minutes(recs):.0f} min on 2 cores by their own clocks)"
             + (f"; ObservedAttention's: `{papers.relative_to(ROOT)}`" if any(
                 r["method"] == "observed_attention" for r in recs) else "") + ".\n\n"
-            + table(recs) + "\n\n" + claims(recs, QWEN_PAIRS, budgets(ctx)))
+            + table(recs) + "\n\n" + claims(recs, _qwen_pairs(), budgets(ctx)))
     for f in sorted(QWEN.glob(f"baselines_*_{ctx}.jsonl.batches")):
         jobs = {}
         for line in f.read_text().splitlines():
@@ -602,12 +623,13 @@ def qwen_pooling(task: str = "niah_multikey_2", ctx: int = 4096) -> str:
 # SnapKV family and LAVa/CAKE at the kernel chosen on the dev samples); H2O, StreamingLLM and
 # full come from the baselines sweep on the same samples
 KERNELED = {"snapkv", "ada_snapkv", "pyramidkv", "lava", "cake", "critical_snapkv",
-            "critical_adakv"}
+            "critical_adakv", "headkv", "critical_headkv"}
 QWEN_PAPER_PAIRS = {
     "lava": [("lava", "full"), ("cake", "full"), ("lava", "ada_snapkv"), ("lava", "snapkv"),
              ("lava", "pyramidkv"), ("lava", "cake"), ("ada_snapkv", "snapkv")],
     "criticalkv": [("critical_snapkv", "full"), ("critical_adakv", "full"),
-                   ("critical_snapkv", "snapkv"), ("critical_adakv", "ada_snapkv")],
+                   ("critical_headkv", "full"), ("critical_snapkv", "snapkv"),
+                   ("critical_adakv", "ada_snapkv"), ("critical_headkv", "headkv")],
     "d2o": [("d2o", "full"), ("d2o", "h2o"), ("d2o", "streaming_llm")],
 }
 
@@ -740,16 +762,19 @@ def _layer_plot(ctx: int, recs: list[dict], task: str = TASK, key: str = "layer_
 
 
 def criticalkv(ctx: int) -> str | None:
-    recs = records_at(ctx, *BASE[ctx], "critical_k17", "critical_co_k17")
+    recs = records_at(ctx, *BASE[ctx], "critical_k17", "critical_co_k17", "headkv_k17")
     if not any(r["method"].startswith("critical_") for r in recs):
         return None
     recs = [r for r in recs if r["method"] == "full" or
             params(r).get("kernel") == 17]
-    pairs = [("critical_snapkv", "snapkv", K17, K17), ("critical_adakv", "ada_snapkv", K17, K17)]
-    shown = {"full", "snapkv", "ada_snapkv", "critical_snapkv", "critical_adakv"}
+    pairs = [("critical_snapkv", "snapkv", K17, K17), ("critical_adakv", "ada_snapkv", K17, K17),
+             ("critical_headkv", "headkv", K17, K17)]
+    shown = {"full", "snapkv", "ada_snapkv", "critical_snapkv", "critical_adakv", "headkv",
+             "critical_headkv"}
     co = [r for r in recs if r["scenario"] == "context_only"]
     (b8, n8), _ = budgets(ctx)
-    out = (intro(ctx, recs, f"critical_k17_{ctx}.jsonl, critical_co_k17_{ctx}.jsonl and "
+    head = (f", headkv_k17_{ctx}.jsonl" if any(r["method"] == "headkv" for r in recs) else "")
+    out = (intro(ctx, recs, f"critical_k17_{ctx}.jsonl, critical_co_k17_{ctx}.jsonl{head} and "
                  f"{_base_files(ctx)}",
                  " Every method here at max pooling, kernel 17 (docs/results/pooling.md); "
                  "the critical rule (CriticalKV paper, Alg. 1: half of each head's budget by "

@@ -27,13 +27,15 @@
 #   PyramidKV, PyramidKV vs SnapKV, SnapKV vs H2O, TOVA and StreamingLLM ("better"), at
 #   each budget and task.
 # - papers: the five papers' methods that compress after the full prefill, on the same
-#   samples and budgets, one shared prefill a task (~1.5-2 h a task): LAVa, CAKE,
-#   CriticalKV over SnapKV and Ada-SnapKV, D2O, ObservedAttention, and the SnapKV family
+#   samples and budgets, one shared prefill a task (~2 h a task): LAVa, CAKE, HeadKV
+#   (kvjax/assets/head_scores/qwen2.5-coder-0.5b.json), CriticalKV over SnapKV, Ada-SnapKV
+#   and HeadKV, D2O, ObservedAttention, and the SnapKV family
 #   again where the pooling section chose another kernel than 7 (every method with a
 #   kernel runs at the chosen one: `--set METHOD.kernel`). Declared comparisons
 #   (scripts/smollm2_results.py, QWEN_PAPER_PAIRS): each method no worse than full; LAVa
 #   better than Ada-SnapKV, SnapKV, PyramidKV and CAKE; Ada-SnapKV better than SnapKV;
-#   critical_snapkv / critical_adakv better than SnapKV / Ada-SnapKV; D2O better than H2O
+#   critical_snapkv / critical_adakv / critical_headkv better than SnapKV / Ada-SnapKV /
+#   HeadKV; HeadKV better than SnapKV and Ada-SnapKV; D2O better than H2O
 #   and StreamingLLM (these two from the baselines sweep, same samples).
 set -u
 cd "$(dirname "$0")/.."
@@ -84,11 +86,12 @@ case "${1:-baselines}" in
     done ;;
   papers)
     K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
-    M=lava,cake,critical_snapkv,critical_adakv,d2o,observed_attention
+    M=lava,cake,critical_snapkv,critical_adakv,headkv,critical_headkv,d2o,observed_attention
     SETS=()
     if [ "$K" != 7 ]; then
       M=snapkv,ada_snapkv,pyramidkv,$M
-      for m in snapkv ada_snapkv pyramidkv lava cake critical_snapkv critical_adakv; do
+      for m in snapkv ada_snapkv pyramidkv lava cake critical_snapkv critical_adakv headkv \
+               critical_headkv; do
         SETS+=(--set "$m.kernel=$K")
       done
     fi

@@ -54,6 +54,9 @@ sweep2 d2o_nomerge_2048.jsonl --method d2o --ratio 0.8,0.6 --set merge=false
 sweep2 gaps_k17_2048.jsonl --method ada_pyramidkv,lava_heads_only,lava_layers_only,d2o_code,roco,cam,observed_attention \
   --budget 256,128 --set ada_pyramidkv.kernel=17 --set lava_heads_only.kernel=17 \
   --set lava_layers_only.kernel=17
+# HeadKV (head scores: kvjax/assets/head_scores/smollm2-135m.json, computed on seed 1234)
+# and CriticalKV's rule on it, kernel 17, against baselines_k17 and critical_k17
+sweep2 headkv_k17_2048.jsonl --method headkv,critical_headkv --budget 256,128 --set kernel=17
 # passkey at 1024 (full 92%: a second task the model solves at this length)
 TASK=passkey sweep1 passkey_1024.jsonl --method full,snapkv,ada_snapkv,h2o,tova,streaming_llm --budget 128,64
 TASK=passkey sweep1 passkey_k17_1024.jsonl --method snapkv,ada_snapkv --budget 128,64 --set kernel=17
