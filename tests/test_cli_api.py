@@ -115,6 +115,7 @@ def test_cli_run_writes_records(model_dir, tmp_path):
         assert r["batches"] == 2  # 3 samples at --batch-size 2: ttft_s is their batches' mean
         assert r["versions"]["jax"] == jax.__version__
         assert r["kv_fraction"] == pytest.approx(1.0)
+        assert r["kv_fraction_end"] > 1.0  # the prompt's KV and the generated tokens'
         # the weights the figures belong to (a retrained model must not pass for this one)
         assert r["model_weights"] == {"sha256": checkpoint.weights_sha256(model_dir),
                                       "trained_steps": None}

@@ -340,3 +340,7 @@ def test_peeled_first_step_equals_the_one_program(pair, question, monkeypatch):
         np.testing.assert_array_equal(np.asarray(peeled.stats[key]),
                                       np.asarray(one.stats[key]), err_msg=key)
     assert peeled.stats["kv_bytes_live"] == one.stats["kv_bytes_live"]
+    assert peeled.stats["kv_bytes_live_end"] == one.stats["kv_bytes_live_end"]
+    if not question:  # nothing evicted at prefill; the first decoding step evicts (0.75 here)
+        live, end = peeled.stats["kv_bytes_live"], peeled.stats["kv_bytes_live_end"]
+        assert live == peeled.stats["kv_bytes_full"] and end < 0.85 * live

@@ -36,7 +36,8 @@ class Weights:
 class Record:
     """One record, its fields in the order written. The optional ones (None) are left out:
     `ruler_skip` (only when samples were skipped), `batches` (records before 2026-11-28
-    lack it), a benchmark file's `benchmark`,
+    lack it), `kv_fraction_end` (without decoding, or before 2026-11-28), a benchmark file's
+    `benchmark`,
     `accuracy_by_dataset` and `predictions`, `note`, and `details` (with --details)."""
 
     method: str
@@ -71,6 +72,9 @@ class Record:
     job: dict  # the identity --resume matches on
     ruler_skip: int | None = None
     batches: int | None = None  # the batches the samples ran in (ttft_s, tpot_s: their mean)
+    # the live KV after the last generated token, a share of kv_bytes_full (kv_fraction is
+    # after the prefill); None without decoding or from batches measured before it existed
+    kv_fraction_end: float | None = None
     benchmark: dict | None = None
     accuracy_by_dataset: dict | None = None
     predictions: list | None = None
@@ -78,8 +82,8 @@ class Record:
     note: str | None = None
     details: list | None = None
 
-    _OPTIONAL = ("ruler_skip", "batches", "benchmark", "accuracy_by_dataset", "predictions", "note",
-                 "details")
+    _OPTIONAL = ("ruler_skip", "batches", "kv_fraction_end", "benchmark", "accuracy_by_dataset",
+                 "predictions", "note", "details")
 
     def as_json(self) -> dict[str, Any]:
         """The record as written: `ruler_skip` after `seed`, as earlier records hold it."""

@@ -372,7 +372,7 @@ class _Result:
         self.job = job
         self.per_sample: list = [None] * len(job.data.samples)
         self.ttft, self.own, self.tpot, self.kernels = [], [], [], []
-        self.live, self.alloc, self.full = [], [], []
+        self.live, self.alloc, self.full, self.live_end = [], [], [], []
         self.compile_s, self.extra_stats, self.used, self.dtype, self.mesh = 0.0, {}, {}, None, None
 
     def piece(self, model, method, idx: list[int], gen) -> dict:
@@ -404,6 +404,8 @@ class _Result:
             budget=budget, dtype=str(gen.cache.k.dtype), mesh=st["mesh"],
             compile_s=st["compile_s"], ttft=st["ttft_s"], own=st["ttft_own_s"],
             tpot=st["tpot_s"], live=st["kv_bytes_live"] / n, alloc=st["kv_bytes_allocated"] / n,
+            live_end=None if st.get("kv_bytes_live_end") is None
+            else st["kv_bytes_live_end"] / n,
             full=st["kv_bytes_full"] / n, kernels=st["kernels"],
             extra={k: v for k, v in st.items()
                    if k not in (*engine.ENGINE_STATS, *BULKY_STATS)},
@@ -418,6 +420,7 @@ class _Result:
         self.own.append(piece["own"])
         self.tpot += [piece["tpot"]] if piece["tpot"] is not None else []
         self.live.append(piece["live"])
+        self.live_end.append(piece.get("live_end"))  # absent from older batches files
         self.alloc.append(piece["alloc"])
         self.full.append(piece["full"])
         self.kernels.append(piece["kernels"])
@@ -448,6 +451,8 @@ class _Result:
             kv_bytes_allocated=float(np.mean(self.alloc)),
             kv_bytes_full=float(np.mean(self.full)),
             kv_fraction=float(np.mean(self.live) / np.mean(self.full)),
+            kv_fraction_end=float(np.mean(self.live_end) / np.mean(self.full))
+            if self.live_end and None not in self.live_end else None,
             ttft_s=float(np.mean(self.ttft)),
             prefill="shared" if all(shared) else "own" if not any(shared) else "mixed",
             ttft_own_s=float(np.mean([o for o in self.own if o is not None]))

@@ -28,8 +28,9 @@ from kvjax.engine.sampling import Sampling
 from kvjax.pallas.dispatch import Kernels
 
 # keys of `Generation.stats` that the engine itself measures (the rest come from the method)
-ENGINE_STATS = ("kv_bytes_live", "kv_bytes_allocated", "kv_bytes_full", "ttft_s", "ttft_own_s",
-                "tpot_s", "compile_s", "prompt_tokens", "kernels", "mesh")
+ENGINE_STATS = ("kv_bytes_live", "kv_bytes_allocated", "kv_bytes_full", "kv_bytes_live_end",
+                "ttft_s", "ttft_own_s", "tpot_s", "compile_s", "prompt_tokens", "kernels",
+                "mesh")
 
 
 @dataclasses.dataclass
@@ -287,6 +288,10 @@ def run(
         "kv_bytes_live": live_after_prefill["kv_bytes_live"],
         "kv_bytes_allocated": live_after_prefill["kv_bytes_allocated"],
         "kv_bytes_full": kvcache.full_kv_bytes(cfg, n_in, cache.k.dtype),
+        # after the last token (the generated tokens' KV in): a method that evicts while
+        # decoding (d2o_code's first eviction is at its first step) is seen here
+        "kv_bytes_live_end": kvcache.kv_bytes(dataclasses.replace(
+            cache, valid=cache.valid[:, :B]))["kv_bytes_live"] if max_new_tokens > 0 else None,
         "ttft_s": clock.ttft_s,
         "ttft_own_s": own_s if prefilled is not None else None,
         "tpot_s": clock.decode_s / steps_run if steps_run else None,
