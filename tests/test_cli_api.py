@@ -210,6 +210,8 @@ BAD = [
      "--set h2o.window: 'h2o' is not a --method of this run (snapkv)"),
     (["--method", "snapkv", "--set", "window=8", "--set", "snapkv.window=16"],
      "--set window and --set snapkv.window both set snapkv's window: give one"),
+    (["--method", "snapkv", "--budget", "64", "--set", "snapkv.budget=32"],
+     "--set budget=32 conflicts with --budget"),
     (["--method", "full,snapkv", "--set", "full.window=8"],
      "method 'full' has no parameter 'window'"),
     (["--method", "snapkv", "--budget", "64", "--set", "budget=32"],

@@ -285,7 +285,7 @@ def configured(name: str, extra: dict[str, str], args):
         typed = {k: registry.parse_value(name, k, v)
                  for k, v in _set_for(name, extra, args.method).items()}
         if "budget" in typed and (args.budget or args.ratio):
-            raise ValueError(f"--set budget={extra['budget']} conflicts with "
+            raise ValueError(f"--set budget={typed['budget']} conflicts with "
                              f"--{'budget' if args.budget else 'ratio'}: give one")
         return methods.create(name, **typed)
     except (ValueError, TypeError) as e:
