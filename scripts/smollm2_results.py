@@ -305,7 +305,7 @@ def _nondefault(r: dict) -> dict:
         return {}
     # through JSON, as the records hold them (tuples become lists)
     default = json.loads(json.dumps(params({"method_params": dataclasses.asdict(
-        methods.get(r["method"])())})))
+        methods.create(r["method"]))})))
     return {k: v for k, v in params(r).items()
             if k not in ("budget", "select_k") and default.get(k) != v}
 
