@@ -506,25 +506,23 @@ QWEN = ROOT / "docs" / "results" / "qwen2.5-coder-0.5b"
 # baselines' orderings, at each budget and task
 QWEN_METHODS = ("snapkv", "ada_snapkv", "pyramidkv", "ada_pyramidkv", "h2o", "tova",
                 "streaming_llm")
-QWEN_PAIRS = ([(m, "full", {}, {}) for m in QWEN_METHODS]
-              + [("ada_snapkv", "snapkv", {}, {}), ("ada_pyramidkv", "pyramidkv", {}, {}),
-                 ("pyramidkv", "snapkv", {}, {})]
-              + [("snapkv", o, {}, {}) for o in ("h2o", "tova", "streaming_llm")]
-              # from the papers sweep
-              + [("observed_attention", "full", {}, {})])
+QWEN_PAIRS = ([(m, "full") for m in QWEN_METHODS]
+              + [("ada_snapkv", "snapkv"), ("ada_pyramidkv", "pyramidkv"), ("pyramidkv", "snapkv")]
+              + [("snapkv", o) for o in ("h2o", "tova", "streaming_llm")]
+              + [("observed_attention", "full")])  # from the papers sweep
 # HeadKV's, at the kernel the papers sweep ran it (`qwen_baselines`)
-QWEN_HEADKV = [("headkv", "snapkv"), ("headkv", "ada_snapkv")]
+QWEN_HEADKV = [("headkv", "full"), ("headkv", "snapkv"), ("headkv", "ada_snapkv")]
 
 
 def _qwen_pairs() -> list[tuple]:
     """QWEN_PAIRS with the SnapKV family at its default kernel 7 (the baselines sweep's),
     and HeadKV's comparisons at the kernel the papers sweep ran (`qwen_dev_kernel`)."""
     k7 = lambda m: {"kernel": 7} if m in KERNELED else {}  # noqa: E731
-    pairs = [(a, b, k7(a), k7(b)) for a, b, _, _ in QWEN_PAIRS]
+    pairs = [(a, b, k7(a), k7(b)) for a, b in QWEN_PAIRS]
     k = qwen_dev_kernel()[0]
     if k is not None:
-        pairs += [("headkv", "full", {"kernel": k}, {})]
-        pairs += [(a, b, {"kernel": k}, {"kernel": k}) for a, b in QWEN_HEADKV]
+        at = lambda m: {"kernel": k} if m in KERNELED else {}  # noqa: E731
+        pairs += [(a, b, at(a), at(b)) for a, b in QWEN_HEADKV]
     return pairs
 
 

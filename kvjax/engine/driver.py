@@ -274,7 +274,10 @@ def run(
                                          state, batch_sharding, clock)
         first = None
     # the padding's rows out of the count (the mask alone: no copy of the cache)
-    live_after_prefill = kvcache.kv_bytes(dataclasses.replace(cache, valid=cache.valid[:, :B]))
+    def live_bytes(c):
+        return kvcache.kv_bytes(dataclasses.replace(c, valid=c.valid[:, :B]))
+
+    live_after_prefill = live_bytes(cache)
     out, n, decode_stats = np.zeros((padded, 0), np.int32), np.zeros(padded, int), {}
     if max_new_tokens > 0:
         out, n, cache, state, decode_stats = _decode(
@@ -290,8 +293,7 @@ def run(
         "kv_bytes_full": kvcache.full_kv_bytes(cfg, n_in, cache.k.dtype),
         # after the last token (the generated tokens' KV in): a method that evicts while
         # decoding (d2o_code's first eviction is at its first step) is seen here
-        "kv_bytes_live_end": kvcache.kv_bytes(dataclasses.replace(
-            cache, valid=cache.valid[:, :B]))["kv_bytes_live"] if max_new_tokens > 0 else None,
+        "kv_bytes_live_end": live_bytes(cache)["kv_bytes_live"] if max_new_tokens > 0 else None,
         "ttft_s": clock.ttft_s,
         "ttft_own_s": own_s if prefilled is not None else None,
         "tpot_s": clock.decode_s / steps_run if steps_run else None,
