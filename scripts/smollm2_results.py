@@ -674,6 +674,58 @@ def qwen_papers(page: str, ctx: int = 4096) -> str | None:
             + "\n\n".join(blocks))
 
 
+# scripts/sweeps_qwen.sh prefill: the methods that run their own prefill, each page's records
+# file prefix, declared comparisons and budget (full from the baselines sweep, same samples)
+QWEN_PREFILL = {
+    "asl": ("prefill_asl", [("asl", "full"), ("asl", "fastkv"), ("asl", "gemfilter")],
+            ((512, "1/8"),)),
+    "sliminfer": ("prefill_slim", [("sliminfer", "full"), ("lazyllm", "full"),
+                                   ("sliminfer", "lazyllm")],
+                  ((256, "1024/512/256 tokens: the paper's schedule"),)),
+}
+
+
+def qwen_prefill(page: str, ctx: int = 4096) -> str | None:
+    """ASL's or SlimInfer's comparisons on Qwen2.5-Coder-0.5B (`scripts/sweeps_qwen.sh
+    prefill`), with whether the mechanism fired: ASL's selection layers, SlimInfer's needle
+    blocks per stage and its decode swaps; None before a task's sweep is complete."""
+    prefix, pairs, at = QWEN_PREFILL[page]
+    shown = {m for ab in pairs for m in ab}
+    blocks = []
+    for f in sorted(QWEN.glob(f"{prefix}_*_{ctx}.jsonl")):
+        base = f.with_name("baselines_" + f.name[len(prefix) + 1:])
+        recs = [{**r, "_files": [str(g.relative_to(ROOT))]} for g in (f, base) if g.exists()
+                for r in report.load_records(g) if r["samples"] >= 50
+                and (g == f or r["method"] == "full")]
+        if not shown <= {r["method"] for r in recs}:
+            continue
+        skip = recs[0].get("ruler_skip", 0)
+        fired = ""
+        if page == "asl":
+            fired = " ASL's selection layer: " + _asl_layers(recs) + "."
+        else:
+            r = next(r for r in recs if r["method"] == "sliminfer")
+            kept, n, ok_kept, ok_lost = _needle_kept(r)
+            if n:
+                fired = (f" The needle's blocks (`answer_span` against `kept_blocks`) survived "
+                         f"stage 1, 2, 3 in {', '.join(map(str, kept))} of {n} prompts; "
+                         f"SlimInfer answered {ok_kept} of the {kept[-1]} whose needle every "
+                         f"stage kept, {ok_lost} of the {n - kept[-1]} whose needle a stage "
+                         "dropped.")
+        blocks.append(
+            f"#### {recs[0]['task']}\n\nRULER's samples {skip}-{skip + 49}, plain prompts, "
+            f"{ctx} tokens, question-aware, seed {recs[0]['seed']}; {report.model_line(recs)}; "
+            f"each method its own prefill. Records: `{f.relative_to(ROOT)}` and, for full, "
+            f"`{base.relative_to(ROOT)}`.{fired}\n\n" + table(recs) + "\n\n"
+            + claims(recs, [(a, b, {}, {}) for a, b in pairs], at)
+            + (_slim_decode(recs) if page == "sliminfer" else ""))
+    if not blocks:
+        return None
+    return ("The methods that change the prefill, on the RULER tasks Qwen2.5-Coder-0.5B's "
+            "full cache solves at 4096, rendered by `python scripts/smollm2_results.py` from "
+            "`scripts/sweeps_qwen.sh prefill`.\n\n" + "\n\n".join(blocks))
+
+
 # LAVa's tasks at each context (the paper's claim is an average over tasks): each task's
 # records files; the first is the pages' niah_single
 LAVA_TASKS = {2048: ((TASK, (*BASE[2048], "lava_k17", "gaps_k17")),
@@ -993,7 +1045,91 @@ def sliminfer(ctx: int) -> str | None:
                   "budget is their pruning schedule (defaults); `kv` is what stays on the "
                   "device.")
             + "\n\n" + table(recs, {"full", "sliminfer", "lazyllm"}) + "\n\n"
-            + _prefill_cost(recs, ctx) + claims(recs, pairs, (None,)))
+            + _prefill_cost(recs, ctx) + claims(recs, pairs, (None,)) + _slim_decode(recs)
+            + _sliminfer_eq(ctx))
+
+
+def _slim_decode(recs: list[dict]) -> str:
+    """SlimInfer's decode on the real model, from the records' per-sample statistics: the
+    share of (step, stage) pairs that swapped blocks, and the KV it keeps on the device."""
+    import numpy as np
+
+    out = []
+    for r in recs:
+        d = r["details"]
+        if r["method"] != "sliminfer" or not all("swap_fraction" in x for x in d):
+            continue
+        swap = np.mean([x["swap_fraction"] for x in d])
+        steps = np.mean([x["swap_step_fraction"] for x in d])
+        dev = np.mean([x["device_kv_bytes"] / x["device_kv_bytes_full"] for x in d])
+        h2d = np.mean([x["bytes_per_step"] for x in d]) / 2 ** 20
+        at = f" at {r['budget']}" if r["budget"] else ""
+        out.append(f"{_name(r)}{at}: {100 * swap:.0f}% of the (step, stage) pairs swapped "
+                   f"blocks ({100 * steps:.0f}% of the steps), {h2d:.2f} MiB copied to the "
+                   f"device a step, device-resident KV {dev:.2f} of the full cache's after the "
+                   "last step")
+    if not out:
+        return ""
+    return ("\n\nDecoding (means over the samples of the records' `swap_fraction`, "
+            "`swap_step_fraction`, `bytes_per_step`, `device_kv_bytes`): "
+            + "; ".join(out) + ".")
+
+
+SLIM_EQ = {192: "kvjax's floored schedule, (12, 6, 3) blocks", 128: "the paper's, (8, 4, 2) blocks"}
+
+
+def _needle_kept(r: dict) -> tuple[list[int], int, int, int]:
+    """SlimInfer's samples whose needle (the answer's tokens, `answer_span`) sat in a block
+    each pruning stage kept: [samples kept by stages 1..i], the samples with a span, and the
+    correct answers among those whose needle every stage kept / some stage dropped."""
+    d = [x for x in r["details"] if x.get("answer_span") and x.get("kept_blocks")]
+    block = r["method_params"]["block"]
+    kept, right = [0] * max((len(x["kept_blocks"]) for x in d), default=0), [0, 0]
+    for x in d:
+        a, b = x["answer_span"]
+        need = set(range(a // block, (b - 1) // block + 1))
+        alive = True
+        for i, ks in enumerate(x["kept_blocks"]):
+            alive = alive and need <= set(ks)
+            kept[i] += alive
+        right[not alive] += x["score"] == 1.0
+    return kept, len(d), right[0], right[1]
+
+
+def _sliminfer_eq(ctx: int) -> str:
+    """SlimInfer against LazyLLM at equal kept tokens per stage (`--budget B` for both: the
+    last stage keeps B tokens, the earlier 2B and 4B), and which stage dropped the needle."""
+    recs = records_at(ctx, "sliminfer_eq")
+    if not any(r["method"] == "sliminfer" for r in recs):
+        return ""
+    full = [r for r in records_at(ctx, *BASE[ctx]) if r["method"] == "full"]
+    at = tuple((b, f"{4 * b}/{2 * b}/{b} tokens") for b in sorted(
+        {r["budget"] for r in recs}, reverse=True))
+    pairs = [("sliminfer", "full", {}, {}), ("lazyllm", "full", {}, {}),
+             ("sliminfer", "lazyllm", {}, {})]
+    lines = []
+    for r in sorted(recs, key=lambda r: -r["budget"]):
+        if r["method"] != "sliminfer":
+            continue
+        kept, n, ok_kept, ok_lost = _needle_kept(r)
+        if n:
+            lost = n - kept[-1]
+            lines.append(f"at {r['budget']} ({SLIM_EQ.get(r['budget'], 'scaled')}): the "
+                         f"needle's blocks survived stage 1, 2, 3 in "
+                         f"{', '.join(str(k) for k in kept)} of {n} prompts; answered "
+                         f"{ok_kept} of the {kept[-1]} whose needle every stage kept and "
+                         f"{ok_lost} of the {lost} whose needle a stage dropped")
+    needle = ("\n\nWhere the needle went (the records' `kept_blocks` per pruning stage "
+              "against the block of the answer's tokens in the prompt, `answer_span`): "
+              + "; ".join(lines) + ".") if lines else ""
+    return (f"\n\n**At equal kept tokens** (docs/results/smollm2/sliminfer_eq_{ctx}.jsonl, "
+            f"`--method sliminfer,lazyllm --budget {','.join(str(b) for b, _ in at)}`): both "
+            "keep 4B, 2B and B tokens after their three pruning layers, SlimInfer as whole "
+            "blocks of 64, LazyLLM as single tokens; B = 192 is the schedule of the defaults "
+            "above, B = 128 the paper's own (8k, 4k, 2k of 32k scaled to 2048: 8, 4, 2 "
+            "blocks, below kvjax's 3-block floor: `min_blocks`, docs/methods.md).\n\n"
+            + table(full + recs, {"full", "sliminfer", "lazyllm"}) + "\n\n"
+            + claims(full + recs, pairs, at) + needle + _slim_decode(recs))
 
 
 def _prefill_cost(recs: list[dict], ctx: int) -> str:
@@ -1057,6 +1193,111 @@ def _asl_k17(ctx: int) -> str:
             "the SnapKV rows do. ASL's selection layer: {1}.\n\n".format(ctx, _asl_layers(recs))
             + table(full + recs, {"full", "asl", "asl_full_before", "fastkv", "gemfilter"})
             + "\n\n" + claims(recs, pairs, (budgets(ctx)[0],)))
+
+
+ASL_DEV = {"default": "the defaults", "rank_from_l_min": "rank_from=l_min",
+           "head_ranking_per_head": "head_ranking=per_head", "l_obs_4": "l_obs=4",
+           "l_obs_2": "l_obs=2"}  # the dev runs (sweeps_smollm2.sh) and their readings
+ASL_TAUS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def _relvar(r: dict):
+    """[prompts, layers] relative rank variance (NaN before L_min and after a selection)."""
+    import numpy as np
+
+    return np.array([[np.nan if x is None else x for x in d["relative_variance"]]
+                     for d in r["details"]], float)
+
+
+def _first_below(rv, tau: float):
+    """Per prompt, the first layer after L_min whose relative variance is below tau (-1:
+    none): where ASL at that tau would select, read from a curve recorded without
+    selecting (exact only where no selection cut the curve short)."""
+    import numpy as np
+
+    hit = rv < tau  # NaN compares False
+    return np.where(hit.any(axis=1), hit.argmax(axis=1), -1)
+
+
+def asl_curves() -> str | None:
+    """ASL's per-layer relative rank variance on SmolLM2 (seed 0 at kernels 7 and 17, and the
+    dev seed's readings with tau = 1e-6, which never select and so record every layer):
+    docs/results/asl_relvar_smollm2.png, and per reading the prompts that would select at
+    each tau and where."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from results_overview import _quantize
+
+    curves = []
+    for f, what in (("asl_1024", "seed 0, kernel 7, 1024"), ("asl_2048", "seed 0, kernel 7, 2048"),
+                    ("asl_k17_1024", "seed 0, kernel 17, 1024"),
+                    *((f"asl_dev_s1_{v}_1024", f"dev seed 1, kernel 17, {ASL_DEV[v]}")
+                      for v in ASL_DEV)):
+        path = RECORDS / f"{f}.jsonl"
+        r = next((r for r in report.load_records(path) if r["method"] == "asl"), None) \
+            if path.exists() else None
+        if r is not None and r["samples"] >= 50:
+            curves.append((what, f, r, _relvar(r)))
+    if not curves:
+        return None
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
+    taus = np.linspace(0.01, 1.0, 100)
+    for what, _, r, rv in curves:
+        x = np.arange(rv.shape[1])
+        med = np.nanmedian(np.where(np.isnan(rv).all(0), 0, rv), axis=0)
+        keep = ~np.isnan(rv).all(0)
+        line, = ax.plot(x[keep], med[keep], label=what, lw=1.2)
+        lo, hi = np.nanpercentile(rv[:, keep], [10, 90], axis=0)
+        ax.fill_between(x[keep], lo, hi, color=line.get_color(), alpha=0.12)
+        after = rv.copy()
+        after[np.arange(len(rv)), np.argmax(~np.isnan(rv), axis=1)] = np.nan  # L_min itself: 1
+        bx.plot(taus, [(_first_below(after, t) >= 0).mean() * 100 for t in taus],
+                color=line.get_color(), lw=1.2)
+    ax.axhline(0.3, color="black", ls="--", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("layer", fontsize=9)
+    ax.set_ylabel("var / var(L_min): median, 10-90%", fontsize=9)
+    ax.legend(fontsize=6.5, frameon=False)
+    ax.grid(alpha=0.3)
+    bx.axvline(0.3, color="black", ls="--", lw=0.8)
+    bx.set_xlabel("tau", fontsize=9)
+    bx.set_ylabel("% of prompts that select", fontsize=9)
+    bx.set_ylim(-2, 102)
+    bx.grid(alpha=0.3)
+    fig.suptitle("SmolLM2-135M, niah_single: ASL's relative rank variance (tau = 0.3 dashed)",
+                 fontsize=10)
+    fig.tight_layout()
+    png = ROOT / "docs" / "results" / "asl_relvar_smollm2.png"
+    fig.savefig(png, dpi=80)
+    plt.close(fig)
+    _quantize(png)
+    rows = ["| records | prompts | lowest after L_min: min / median | "
+            + " | ".join(f"select at tau {t:g}" for t in ASL_TAUS) + " |",
+            "|---|---|---|" + "---|" * len(ASL_TAUS)]
+    for what, f, r, rv in curves:
+        after = rv.copy()
+        after[np.arange(len(rv)), np.argmax(~np.isnan(rv), axis=1)] = np.nan
+        low = np.nanmin(after, axis=1)
+        cells = []
+        for t in ASL_TAUS:
+            at = _first_below(after, t)
+            layers = sorted(set(at[at >= 0].tolist()))
+            cells.append(f"{(at >= 0).sum()}" + (f" (layers {layers[0]}-{layers[-1]})"
+                                                 if len(layers) > 1 else
+                                                 f" (layer {layers[0]})" if layers else ""))
+        rows.append(f"| {what} ({f}.jsonl) | {len(rv)} | {low.min():.2f} / "
+                    f"{np.median(low):.2f} | " + " | ".join(cells) + " |")
+    return ("ASL selects at the first layer after L_min (layer "
+            f"{int(np.argmax(~np.isnan(curves[0][3][0])))} of 30 here) whose relative rank "
+            "variance falls below tau. The curves below are the records' `relative_variance` "
+            "(the dev seed's with tau = 1e-6, which never selects, so every layer's value is on "
+            "all the prompt's tokens); the prompts that would select at a tau and where follow "
+            "from them (seed 0's at tau < 0.3 are exact only for prompts that did not select, "
+            "all but one). Rendered by `python scripts/smollm2_results.py`; the dev runs: "
+            "`scripts/sweeps_smollm2.sh` (asl_dev_s1_*).\n\n"
+            "![ASL relative rank variance](asl_relvar_smollm2.png)\n\n" + "\n".join(rows))
 
 
 def write_registry() -> list[dict]:
@@ -1175,7 +1416,8 @@ def main(argv=None) -> int:
                                                         ("Output perturbation", perturbation()))),
                          ("d2o", lambda: section(d2o, ("Perplexity of a long text",
                                                        d2o_perplexity()))),
-                         ("sliminfer", lambda: section(sliminfer)), ("asl", lambda: section(asl))):
+                         ("sliminfer", lambda: section(sliminfer)),
+                         ("asl", lambda: section(asl, ("The selection curve", asl_curves())))):
         PAGE["name"] = page
         pages[page] = render()
     PAGE["name"] = "baselines"
@@ -1184,6 +1426,9 @@ def main(argv=None) -> int:
     for page in QWEN_PAPER_PAIRS:
         PAGE["name"] = page
         qwen_pages[page] = qwen_papers(page)
+    for page in QWEN_PREFILL:
+        PAGE["name"] = page
+        qwen_pages[page] = qwen_prefill(page)
     PAGE["name"] = "baselines"
     rows = write_registry()
     fill = lambda text: _fill(text, rows)  # noqa: E731

@@ -4,7 +4,7 @@
 # docs/results/qwen2.5-coder-0.5b/, resumable: re-run this script (or one line of it) to
 # finish what a stop cut off; commit the records as they come.
 #   nice bash scripts/sweeps_qwen.sh [SECTION [TASKS]]  # SECTION: baselines (default),
-#       pooling, papers; TASKS: a comma list of the solved tasks to run, in that order
+#       pooling, papers, prefill; TASKS: a comma list of the solved tasks to run, in that order
 #       (default all)
 # A stopped sweep keeps its finished batches (<records>.jsonl.batches, commit them too) and
 # the re-run continues from the batch it was in, so a task's ~2 h may span sessions.
@@ -37,6 +37,13 @@
 #   critical_snapkv / critical_adakv / critical_headkv better than SnapKV / Ada-SnapKV /
 #   HeadKV; HeadKV better than SnapKV and Ada-SnapKV; D2O better than H2O
 #   and StreamingLLM (these two from the baselines sweep, same samples).
+# - prefill: the methods that change the prefill itself, each its own prefill (~40 min a
+#   method at n = 50 alone, ~3.5 h a task): ASL, FastKV and GemFilter selecting 512 tokens
+#   (1/8); SlimInfer and LazyLLM keeping 1024, 512 and 256 tokens after their three pruning
+#   layers (`--budget 256`: the paper's 8k, 4k, 2k of 32k scaled to 4096, 16/8/4 blocks of
+#   64, which is also SlimInfer's default here: kvjax's 3-block floor does not bind).
+#   Declared: ASL better than FastKV and GemFilter and no worse than full; SlimInfer and
+#   LazyLLM no worse than full, SlimInfer better than LazyLLM.
 set -u
 cd "$(dirname "$0")/.."
 D=docs/results/qwen2.5-coder-0.5b
@@ -98,5 +105,10 @@ case "${1:-baselines}" in
     for t in ${TASKS//,/ }; do
       run "papers_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512,256 --method "$M" "${SETS[@]}"
     done ;;
-  *) echo "unknown section $1: baselines, pooling or papers" >&2; exit 2 ;;
+  prefill)
+    for t in ${TASKS//,/ }; do
+      run "prefill_asl_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512 --method asl,fastkv,gemfilter
+      run "prefill_slim_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 256 --method sliminfer,lazyllm
+    done ;;
+  *) echo "unknown section $1: baselines, pooling, papers or prefill" >&2; exit 2 ;;
 esac

@@ -34,6 +34,18 @@ sweep2 d2o_2048.jsonl --method d2o --budget 256,128
 # their defaults; ASL, FastKV, GemFilter selecting 256 tokens (1/8)
 sweep2 sliminfer_2048.jsonl --method sliminfer,lazyllm
 sweep2 asl_2048.jsonl --method asl,fastkv,gemfilter --budget 256
+# SlimInfer against LazyLLM at equal kept tokens per stage: --budget 192 is kvjax's floored
+# schedule at 2048 (12, 6, 3 blocks of 64), 128 the paper's own (8, 4, 2 of 32 blocks: its
+# 8k, 4k, 2k of 32k scaled); the records' answer_span says which stage dropped the needle
+sweep2 sliminfer_eq_2048.jsonl --method sliminfer,lazyllm --budget 192,128
+# ASL's selection curve on the dev seed (1): tau = 1e-6 never selects, so each prompt's
+# relative rank variance is recorded at every layer on all its tokens, and the prompts that
+# would select at any tau follow from it (docs/results/asl.md); kernel 17 (ASL's fallback
+# keeps the needle there), the paper's rule and the readings it leaves open, one at a time
+for v in default rank_from=l_min head_ranking=per_head l_obs=4 l_obs=2; do
+  x=(--set kernel=17 --set tau=1e-6); [ $v = default ] || x+=(--set "$v")
+  sweep asl_dev_s1_${v/=/_}_1024.jsonl --method asl --budget 128 --seed 1 "${x[@]}"
+done
 # CriticalKV's rule on SnapKV and Ada-SnapKV (kernel 17, against baselines_k17_2048),
 # question-aware; and context-only (the paper's setting), at 1/4 and 1/8
 sweep2 critical_k17_2048.jsonl --method critical_snapkv,critical_adakv --budget 256,128 --set kernel=17

@@ -116,9 +116,26 @@ def test_cli_run_writes_records(model_dir, tmp_path):
         assert r["versions"]["jax"] == jax.__version__
         assert r["kv_fraction"] == pytest.approx(1.0)
         assert r["kv_fraction_end"] > 1.0  # the prompt's KV and the generated tokens'
+        if r["task"] == "niah_single":  # its value is planted once: where it must be kept
+            assert all(0 < d["answer_span"][0] < d["answer_span"][1] <= 128
+                       for d in r["details"])
         # the weights the figures belong to (a retrained model must not pass for this one)
         assert r["model_weights"] == {"sha256": checkpoint.weights_sha256(model_dir),
                                       "trained_steps": None}
+
+
+def test_answer_span_is_the_one_place_the_value_sits():
+    from kvjax.cli.sweep import answer_span
+
+    class Chars:  # a tokenizer of one id per character
+        encode = staticmethod(lambda text, bos=False: [ord(c) for c in text])
+
+    ids = lambda text: [ord(c) for c in text]  # noqa: E731
+    assert answer_span(Chars, ids("key is 4711. end"), ["4711"]) == [6, 11]  # " 4711"
+    assert answer_span(Chars, ids("key:4711. end"), ["4711"]) == [4, 8]  # no space before it
+    assert answer_span(Chars, ids("4711 and 4711"), ["4711"]) is None  # twice: no one place
+    assert answer_span(Chars, ids("key is 4711"), ["9", "4711"]) == [6, 11]  # the first found
+    assert answer_span(Chars, ids("nothing here"), ["4711"]) is None
 
 
 def test_cli_sets_one_method_s_parameter_and_still_shares_the_prefill(model_dir, tmp_path):

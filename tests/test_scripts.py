@@ -117,3 +117,49 @@ def test_qwen_kernel_is_chosen_on_the_dev_samples_and_read_by_the_papers(monkeyp
     assert got["lava[kernel=17]", "full"]["b_wins"] == 25
     assert got["lava[kernel=17]", "full"]["tuned_on"] == "RULER samples 66-115"
     assert set(got) == {("lava[kernel=17]", "full"), ("lava[kernel=17]", "snapkv[kernel=17]")}
+
+
+def test_qwen_prefill_pages_judge_their_pairs_and_say_where_the_needle_went(monkeypatch,
+                                                                            tmp_path):
+    """SlimInfer's Qwen block: full from the baselines sweep of the same task (nothing else
+    from it), the declared pairs at the paper's schedule, and the needle's survival read
+    from `answer_span` against each stage's `kept_blocks` (blocks of 64)."""
+    import json
+
+    monkeypatch.syspath_prepend(str(SCRIPTS[0].parent))
+    import smollm2_results as s
+
+    monkeypatch.setattr(s, "ROOT", tmp_path)
+    monkeypatch.setattr(s, "QWEN", tmp_path)
+    monkeypatch.setattr(s, "REGISTRY", [])
+    monkeypatch.setattr(s, "TABLES", [])
+    monkeypatch.setitem(s.PAGE, "name", "sliminfer")
+
+    def rec(method, budget, details, **params):
+        return {"method": method, "budget": budget, "scenario": "question_aware",
+                "samples": len(details), "accuracy": 0.5, "seed": 0, "task": "ruler/t",
+                "context_length": 4096, "ruler_skip": 16, "model": "qwen2.5-coder-0.5b",
+                "model_weights": {"sha256": "ab" * 32}, "kv_fraction": 0.3,
+                "method_params": {"budget": budget, **params}, "ttft_s": 1.0,
+                "ttft_own_s": None, "tpot_s": 0.1, "prefill": "own", "details": details}
+
+    def write(name, recs):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    # needle in block 2 (positions 130-137): kept by every stage in 30 prompts, dropped at
+    # stage 2 in the other 20; SlimInfer answers the 30
+    kept = lambda *stages: {"answer_span": [130, 138], "kept_blocks": list(stages)}  # noqa: E731
+    slim = ([{"score": 1.0, **kept([0, 2, 5], [0, 2], [0, 2])}] * 30
+            + [{"score": 0.0, **kept([0, 2, 5], [0, 5], [0, 5])}] * 20)
+    write("baselines_t_4096.jsonl", [rec("full", None, [{"score": 1.0}] * 50),
+                                     rec("snapkv", 512, [{"score": 0.0}] * 50)])
+    write("prefill_slim_t_4096.jsonl", [rec("sliminfer", 256, slim, block=64),
+                                        rec("lazyllm", 256, [{"score": 0.0}] * 50)])
+    text = s.qwen_prefill("sliminfer")
+    assert "survived stage 1, 2, 3 in 50, 30, 30 of 50 prompts" in text
+    assert "answered 30 of the 30 whose needle every stage kept, 0 of the 20" in text
+    got = {(r["a"], r["b"]): r for r in s.REGISTRY}
+    assert set(got) == {("sliminfer", "full"), ("lazyllm", "full"), ("sliminfer", "lazyllm")}
+    assert got["sliminfer", "lazyllm"]["a_wins"] == 30
+    assert "snapkv" not in text  # the baselines sweep gives full only
+    assert s.qwen_prefill("asl") is None  # no ASL records yet

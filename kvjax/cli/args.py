@@ -160,7 +160,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="run only the combinations the output does not hold yet")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument("--details", action="store_true", help="add per-sample records")
+    p.add_argument("--details", action="store_true",
+                   help="add per-sample records: prediction, answer, score, the answer's "
+                        "token span in the prompt where it sits in one place "
+                        "(`answer_span`), the method's per-sample statistics")
     p.add_argument("--list-methods", action="store_true")
     p.add_argument("--list-tasks", action="store_true")
     p.add_argument("--no-progress", action="store_true")

@@ -394,6 +394,9 @@ class _Result:
                    "correct": bool(score == 1.0), "depth": s.depth, "budget": budget}
             if d.spec is not None and not d.spec.synthetic:
                 rec.update(_sample_id(s))
+            span = answer_span(model, d.prompts[i], s.answer)
+            if span is not None:
+                rec["answer_span"] = span
             for k, v in st.items():
                 if k not in (*engine.ENGINE_STATS, *BULKY_STATS) and isinstance(v, list) \
                         and len(v) == len(idx):
@@ -488,6 +491,27 @@ def _plain(x):
     if isinstance(x, (set, frozenset)):
         return sorted(x)
     return str(x)  # as the records writer writes what JSON has no type for
+
+
+def answer_span(model, prompt, answers) -> list[int] | None:
+    """[start, end) of the first answer whose tokens sit in exactly one place of the prompt
+    ids (a needle's value, planted verbatim), else None. The answer is looked for as
+    tokenized alone and after a space (how a value inside a sentence is usually split);
+    overlapping matches are one place. Positions count from the prompt's first id (`<bos>`
+    where it has one), as the engine's positions do, so a record can say whether a method
+    kept the needle (SlimInfer's kept blocks: docs/results/sliminfer.md)."""
+    ids = np.asarray(prompt)
+    for a in answers:
+        hits = []
+        for text in (" " + a, a):
+            want = np.asarray(model.encode(text, bos=False))
+            if 0 < len(want) <= len(ids):
+                windows = np.lib.stride_tricks.sliding_window_view(ids, len(want))
+                hits += [(int(i), int(i) + len(want))
+                         for i in np.flatnonzero((windows == want).all(axis=1))]
+        if hits and max(s for s, _ in hits) < min(e for _, e in hits):  # all overlap: one place
+            return [min(s for s, _ in hits), max(e for _, e in hits)]
+    return None
 
 
 def _sample_id(s) -> dict:
