@@ -210,6 +210,7 @@ def _name(r: dict) -> str:
     p = params(r)
     k = p.get("kernel")
     return (r["method"] + (f" (kernel {k})" if k not in (None, 7) else "")
+            + (f" (TSP rate {p['tsp_rate']:g})" if p.get("tsp_rate") not in (None, 0.2) else "")
             + (" (merge off)" if p.get("merge") is False else ""))
 
 
@@ -821,7 +822,8 @@ def _layer_plot(ctx: int, recs: list[dict], task: str = TASK, key: str = "layer_
 
 
 def criticalkv(ctx: int) -> str | None:
-    recs = records_at(ctx, *BASE[ctx], "critical_k17", "critical_co_k17", "headkv_k17")
+    recs = records_at(ctx, *BASE[ctx], "critical_k17", "critical_co_k17", "critical_co_half_k17",
+                      "headkv_k17")
     if not any(r["method"].startswith("critical_") for r in recs):
         return None
     recs = [r for r in recs if r["method"] == "full" or
@@ -833,7 +835,11 @@ def criticalkv(ctx: int) -> str | None:
     co = [r for r in recs if r["scenario"] == "context_only"]
     (b8, n8), _ = budgets(ctx)
     head = (f", headkv_k17_{ctx}.jsonl" if any(r["method"] == "headkv" for r in recs) else "")
-    out = (intro(ctx, recs, f"critical_k17_{ctx}.jsonl, critical_co_k17_{ctx}.jsonl{head} and "
+    half = (f", critical_co_half_k17_{ctx}.jsonl"
+            if any(r["budget"] == ctx // 2 and r["scenario"] == "context_only" for r in recs)
+            else "")
+    out = (intro(ctx, recs, f"critical_k17_{ctx}.jsonl, critical_co_k17_{ctx}.jsonl{half}{head} "
+                 f"and "
                  f"{_base_files(ctx)}",
                  " Every method here at max pooling, kernel 17 (docs/results/pooling.md); "
                  "the critical rule (CriticalKV paper, Alg. 1: half of each head's budget by "
@@ -843,10 +849,11 @@ def criticalkv(ctx: int) -> str | None:
            + "\n\n**Question-aware**\n\n" + table(recs, shown) + "\n\n"
            + claims(recs, pairs, budgets(ctx)))
     if co:
-        at = ((2 * b8, "1/4"), (b8, n8))
+        at = ((ctx // 2, "1/2"), (round(0.4 * ctx), "2/5"), (2 * b8, "1/4"), (b8, n8))
         out += ("\n\n**Context-only** (the paper's setting: the question comes after "
                 "compression; at 1/4 and 1/8, since at 1/8 question-aware SnapKV is already "
-                "the lower bound)\n\n" + table(co, shown, "context_only") + "\n\n"
+                "the lower bound, and where recorded at 1/2 and 2/5, where the base methods "
+                "may leave the floor)\n\n" + table(co, shown, "context_only") + "\n\n"
                 + claims(co, pairs, at, "context_only"))
     more = [r for r in records_at(ctx, "critical_n150_k17") if r["samples"] >= 150]
     if any(r["method"] == "critical_snapkv" for r in more):
@@ -1181,16 +1188,22 @@ def asl(ctx: int) -> str | None:
 
 def _asl_k17(ctx: int) -> str:
     """ASL, FastKV and GemFilter with SnapKV's pooling at kernel 17 (when the records exist)."""
-    recs = records_at(ctx, "asl_k17", "asl_full_before_k17")
+    recs = records_at(ctx, "asl_k17", "asl_full_before_k17", "asl_eqkv_k17")
     if not any(r["method"] == "asl" for r in recs):
         return ""
-    pairs = [("asl", o, K17, K17) for o in ("fastkv", "gemfilter")]
+    # FastKV at its default TSP rate (20%), and at 12.5%, where its live KV is ASL's
+    pairs = [("asl", "fastkv", K17, {**K17, "tsp_rate": 0.2}), ("asl", "gemfilter", K17, K17)]
     if any(r["method"] == "asl_full_before" for r in recs):
         pairs.append(("asl_full_before", "asl", K17, K17))
+    if any(params(r).get("tsp_rate") == 0.125 for r in recs):
+        pairs.append(("asl", "fastkv", K17, {**K17, "tsp_rate": 0.125}))
     full = [r for r in records_at(ctx, *BASE[ctx]) if r["method"] == "full"]
     return ("\n\n**At kernel 17** (docs/results/smollm2/asl_k17_{0}.jsonl, "
-            "asl_full_before_k17_{0}.jsonl): the methods pool their scores with kernel 17, as "
-            "the SnapKV rows do. ASL's selection layer: {1}.\n\n".format(ctx, _asl_layers(recs))
+            "asl_full_before_k17_{0}.jsonl, asl_eqkv_k17_{0}.jsonl): the methods pool their "
+            "scores with kernel 17, as the SnapKV rows do; FastKV also at a TSP rate of 12.5%, "
+            "where its live KV equals ASL's (at its default 20% every layer from its TSP layer "
+            "on keeps all the propagated tokens). ASL's selection layer: {1}.\n\n".format(
+                ctx, _asl_layers(recs))
             + table(full + recs, {"full", "asl", "asl_full_before", "fastkv", "gemfilter"})
             + "\n\n" + claims(recs, pairs, (budgets(ctx)[0],)))
 

@@ -51,6 +51,10 @@ done
 sweep2 critical_k17_2048.jsonl --method critical_snapkv,critical_adakv --budget 256,128 --set kernel=17
 sweep2 critical_co_k17_2048.jsonl --method snapkv,ada_snapkv,critical_snapkv,critical_adakv \
   --budget 512,256 --set kernel=17 --scenario context_only
+# context-only at 1/2 and 2/5 of the context, where the base methods may leave the floor
+# (2-4% at 1/4 and 1/8 above)
+sweep2 critical_co_half_k17_2048.jsonl --method snapkv,ada_snapkv,critical_snapkv,critical_adakv \
+  --budget 1024,819 --set kernel=17 --scenario context_only
 # 1024: each page's claim at a second length (the 1024 baselines: calib_*, pool_*)
 sweep1 lava_k17_1024.jsonl --method lava,cake,pyramidkv --budget 128,64 --set kernel=17
 sweep1 d2o_1024.jsonl --method d2o --budget 128,64
@@ -96,6 +100,9 @@ R=${R/--samples 50/--samples 150} sweep2 critical_n150_k17_2048.jsonl --method s
 # model's relative rank variance stays above 0.79, so no allowed tau makes ASL select)
 sweep1 asl_k17_1024.jsonl --method asl,fastkv,gemfilter --budget 128 --set kernel=17
 sweep1 asl_full_before_k17_1024.jsonl --method asl_full_before --budget 128 --set kernel=17
+# FastKV at ASL's live KV: FastKV's layers from its TSP layer on keep every propagated
+# token (tsp_rate 20% of the prompt: kv 0.162); at 12.5% (128 of 1024) its KV is ASL's 0.125
+sweep1 asl_eqkv_k17_1024.jsonl --method fastkv --budget 128 --set kernel=17 --set tsp_rate=0.125
 # 4096: SnapKV and Ada-SnapKV (kernel 17) against TOVA and StreamingLLM (H2O left out: its
 # column sums at 4096 cost about a minute a batch of 8)
 sweep4 baselines_k17_4096.jsonl --method snapkv,ada_snapkv --budget 512,256 --set kernel=17
