@@ -307,8 +307,10 @@ def _nondefault(r: dict) -> dict:
     # through JSON, as the records hold them (tuples become lists)
     default = json.loads(json.dumps(params({"method_params": dataclasses.asdict(
         methods.create(r["method"]))})))
+    # a budget replaces LazyLLM's keep_ratio (`with_budget`): the budget says it
     return {k: v for k, v in params(r).items()
-            if k not in ("budget", "select_k") and default.get(k) != v}
+            if k not in ("budget", "select_k") and default.get(k) != v
+            and not (k == "keep_ratio" and r.get("budget") is not None)}
 
 
 def _tuned_on(x: dict, y: dict):
