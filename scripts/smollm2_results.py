@@ -705,7 +705,14 @@ def qwen_prefill(page: str, ctx: int = 4096) -> str | None:
         skip = recs[0].get("ruler_skip", 0)
         fired = ""
         if page == "asl":
-            fired = " ASL's selection layer: " + _asl_layers(recs) + "."
+            import numpy as np
+
+            rv = _relvar(next(r for r in recs if r["method"] == "asl"))
+            rv[np.arange(len(rv)), np.argmax(~np.isnan(rv), axis=1)] = np.nan  # L_min: 1
+            low = np.nanmin(rv, axis=1)
+            fired = (" ASL's selection layer: " + _asl_layers(recs) + f". Its relative rank "
+                     f"variance after L_min reached {low.min():.2f} at the lowest (median over "
+                     f"the prompts of each one's lowest: {np.median(low):.2f}).")
         else:
             r = next(r for r in recs if r["method"] == "sliminfer")
             kept, n, ok_kept, ok_lost = _needle_kept(r)

@@ -163,3 +163,13 @@ def test_qwen_prefill_pages_judge_their_pairs_and_say_where_the_needle_went(monk
     assert got["sliminfer", "lazyllm"]["a_wins"] == 30
     assert "snapkv" not in text  # the baselines sweep gives full only
     assert s.qwen_prefill("asl") is None  # no ASL records yet
+    # ASL: whether it selected, and how low its relative variance went (L_min's 1 excluded)
+    monkeypatch.setitem(s.PAGE, "name", "asl")
+    curve = lambda low: [None] * 8 + [1.0, 2.0, low, 3.0]  # noqa: E731
+    asl = [{"score": 0.0, "fallback_snapkv": True, "selection_layer": -1,
+            "relative_variance": curve(0.6 + i / 50)} for i in range(50)]
+    write("prefill_asl_t_4096.jsonl", [rec("asl", 512, asl, tau=0.3, kernel=7)]
+          + [rec(m, 512, [{"score": 0.0}] * 50) for m in ("fastkv", "gemfilter")])
+    text = s.qwen_prefill("asl")
+    assert "50 of 50 prompts never crossed tau = 0.3" in text
+    assert "reached 0.60 at the lowest (median over the prompts of each one's lowest: 1.09)" in text
