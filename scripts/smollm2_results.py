@@ -1170,12 +1170,17 @@ def _prefill_cost(recs: list[dict], ctx: int) -> str:
 
 
 def _asl_layers(recs: list[dict]) -> str:
+    import collections
+
     r = next(r for r in recs if r["method"] == "asl")
     fell = sum(bool(d.get("fallback_snapkv")) for d in r["details"])
-    layers = sorted({d.get("selection_layer") for d in r["details"]} - {-1, None})
+    at = collections.Counter(d.get("selection_layer") for d in r["details"]
+                             if d.get("selection_layer") not in (-1, None))
+    layers = ", ".join(f"{l} ({n})" for l, n in sorted(at.items()))
     return (f"{fell} of {len(r['details'])} prompts never crossed tau = "
             f"{r['method_params']['tau']} and fell back to SnapKV's selection (kernel "
-            f"{r['method_params']['kernel']}); layers chosen otherwise: {layers or 'none'}")
+            f"{r['method_params']['kernel']}); layers chosen otherwise (prompts): "
+            f"{layers or 'none'}")
 
 
 def asl(ctx: int) -> str | None:
@@ -1192,7 +1197,33 @@ def asl(ctx: int) -> str | None:
             + "\n\n" + table([r for r in recs if r["method"] != "snapkv" or
                                 params(r).get("kernel") == 17],
                                {"full", "asl", "fastkv", "gemfilter", "snapkv"})
-            + "\n\n" + claims(recs, pairs, (b8,)) + _asl_k17(ctx))
+            + "\n\n" + claims(recs, pairs, (b8,)) + _asl_k17(ctx) + _asl_lmin(ctx))
+
+
+LMIN = {**K17, "rank_from": "l_min"}
+
+
+def _asl_lmin(ctx: int) -> str:
+    """ASL, asl_full_before and asl_2pass with ranks from L_min on (the reading under which
+    ASL selects on the dev seed), against FastKV and GemFilter at kernel 17."""
+    recs = records_at(ctx, "asl_lmin_k17")
+    if not any(r["method"] == "asl" for r in recs):
+        return ""
+    others = [r for r in records_at(ctx, "asl_k17", "asl_eqkv_k17")
+              if r["method"] in ("fastkv", "gemfilter")]
+    full = [r for r in records_at(ctx, *BASE[ctx]) if r["method"] == "full"]
+    pairs = [("asl", "fastkv", LMIN, {**K17, "tsp_rate": 0.2}),
+             ("asl", "fastkv", LMIN, {**K17, "tsp_rate": 0.125}),
+             ("asl", "gemfilter", LMIN, K17), ("asl_2pass", "gemfilter", LMIN, K17),
+             ("asl_full_before", "asl", LMIN, LMIN)]
+    return (f"\n\n**With ranks from L_min on** (`rank_from=l_min`, Appendix D's reading: "
+            f"ASL \"starts the operation\" at L_min; docs/results/smollm2/asl_lmin_k17_{ctx}"
+            ".jsonl, kernel 17, tau 0.3 as the paper): the reading chosen on the dev seed, "
+            "where it is the only one under which ASL selects (\"The selection curve\" "
+            "below). ASL's selection layer: " + _asl_layers(recs) + ".\n\n"
+            + table(full + recs + others, {"full", "asl", "asl_full_before", "asl_2pass",
+                                           "fastkv", "gemfilter"}) + "\n\n"
+            + claims(recs + others, pairs, (budgets(ctx)[0],)))
 
 
 def _asl_k17(ctx: int) -> str:

@@ -103,6 +103,11 @@ sweep1 asl_full_before_k17_1024.jsonl --method asl_full_before --budget 128 --se
 # FastKV at ASL's live KV: FastKV's layers from its TSP layer on keep every propagated
 # token (tsp_rate 20% of the prompt: kv 0.162); at 12.5% (128 of 1024) its KV is ASL's 0.125
 sweep1 asl_eqkv_k17_1024.jsonl --method fastkv --budget 128 --set kernel=17 --set tsp_rate=0.125
+# ASL with its ranks counted from L_min on (Appendix D's reading, `rank_from=l_min`): on the
+# dev seed 33 of 50 prompts select at the paper's tau 0.3, against 0 under the code's
+# reading (docs/results/asl.md, "The selection curve"); judged here on seed 0
+sweep1 asl_lmin_k17_1024.jsonl --method asl,asl_full_before,asl_2pass --budget 128 \
+  --set kernel=17 --set rank_from=l_min
 # 4096: SnapKV and Ada-SnapKV (kernel 17) against TOVA and StreamingLLM (H2O left out: its
 # column sums at 4096 cost about a minute a batch of 8)
 sweep4 baselines_k17_4096.jsonl --method snapkv,ada_snapkv --budget 512,256 --set kernel=17
