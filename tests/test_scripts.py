@@ -62,6 +62,20 @@ def test_results_pooling_and_sweep_time(monkeypatch):
     assert abs(s._sweep_minutes(recs) - want / 60) < 1e-9
 
 
+def _qwen_renderer(monkeypatch, tmp_path, page: str):
+    """scripts/smollm2_results.py reading Qwen records from tmp_path, rendering `page`, with
+    an empty claims registry."""
+    monkeypatch.syspath_prepend(str(SCRIPTS[0].parent))
+    import smollm2_results as s
+
+    monkeypatch.setattr(s, "ROOT", tmp_path)
+    monkeypatch.setattr(s, "QWEN", tmp_path)
+    monkeypatch.setattr(s, "REGISTRY", [])
+    monkeypatch.setattr(s, "TABLES", [])
+    monkeypatch.setitem(s.PAGE, "name", page)
+    return s
+
+
 def test_qwen_kernel_is_chosen_on_the_dev_samples_and_read_by_the_papers(monkeypatch,
                                                                           tmp_path):
     """The Qwen kernel: the better mean of SnapKV and Ada-SnapKV on RULER's dev samples,
@@ -70,14 +84,7 @@ def test_qwen_kernel_is_chosen_on_the_dev_samples_and_read_by_the_papers(monkeyp
     baselines sweep of the same task."""
     import json
 
-    monkeypatch.syspath_prepend(str(SCRIPTS[0].parent))
-    import smollm2_results as s
-
-    monkeypatch.setattr(s, "ROOT", tmp_path)
-    monkeypatch.setattr(s, "QWEN", tmp_path)
-    monkeypatch.setattr(s, "REGISTRY", [])
-    monkeypatch.setattr(s, "TABLES", [])
-    monkeypatch.setitem(s.PAGE, "name", "lava")
+    s = _qwen_renderer(monkeypatch, tmp_path, "lava")
 
     def rec(method, budget, scores, skip, **params):
         return {"method": method, "budget": budget, "scenario": "question_aware",
@@ -126,14 +133,7 @@ def test_qwen_prefill_pages_judge_their_pairs_and_say_where_the_needle_went(monk
     from `answer_span` against each stage's `kept_blocks` (blocks of 64)."""
     import json
 
-    monkeypatch.syspath_prepend(str(SCRIPTS[0].parent))
-    import smollm2_results as s
-
-    monkeypatch.setattr(s, "ROOT", tmp_path)
-    monkeypatch.setattr(s, "QWEN", tmp_path)
-    monkeypatch.setattr(s, "REGISTRY", [])
-    monkeypatch.setattr(s, "TABLES", [])
-    monkeypatch.setitem(s.PAGE, "name", "sliminfer")
+    s = _qwen_renderer(monkeypatch, tmp_path, "sliminfer")
 
     def rec(method, budget, details, **params):
         return {"method": method, "budget": budget, "scenario": "question_aware",
