@@ -1286,6 +1286,7 @@ def asl_curves() -> str | None:
     curves = []
     for f, what in (("asl_1024", "seed 0, kernel 7, 1024"), ("asl_2048", "seed 0, kernel 7, 2048"),
                     ("asl_k17_1024", "seed 0, kernel 17, 1024"),
+                    ("asl_lmin_k17_1024", "seed 0, kernel 17, rank_from=l_min, 1024"),
                     *((f"asl_dev_s1_{v}_1024", f"dev seed 1, kernel 17, {ASL_DEV[v]}")
                       for v in ASL_DEV)):
         path = RECORDS / f"{f}.jsonl"
@@ -1295,7 +1296,7 @@ def asl_curves() -> str | None:
             curves.append((what, f, r, _relvar(r)))
     if not curves:
         return None
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4.4))
     taus = np.linspace(0.01, 1.0, 100)
     for what, _, r, rv in curves:
         x = np.arange(rv.shape[1])
@@ -1312,7 +1313,8 @@ def asl_curves() -> str | None:
     ax.set_yscale("log")
     ax.set_xlabel("layer", fontsize=9)
     ax.set_ylabel("var / var(L_min): median, 10-90%", fontsize=9)
-    ax.legend(fontsize=6.5, frameon=False)
+    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=7,
+               frameon=False)
     ax.grid(alpha=0.3)
     bx.axvline(0.3, color="black", ls="--", lw=0.8)
     bx.set_xlabel("tau", fontsize=9)
@@ -1321,7 +1323,7 @@ def asl_curves() -> str | None:
     bx.grid(alpha=0.3)
     fig.suptitle("SmolLM2-135M, niah_single: ASL's relative rank variance (tau = 0.3 dashed)",
                  fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.17, 1, 1))
     png = ROOT / "docs" / "results" / "asl_relvar_smollm2.png"
     fig.savefig(png, dpi=80)
     plt.close(fig)
@@ -1347,8 +1349,8 @@ def asl_curves() -> str | None:
             "variance falls below tau. The curves below are the records' `relative_variance` "
             "(the dev seed's with tau = 1e-6, which never selects, so every layer's value is on "
             "all the prompt's tokens); the prompts that would select at a tau and where follow "
-            "from them (seed 0's at tau < 0.3 are exact only for prompts that did not select, "
-            "all but one). Rendered by `python scripts/smollm2_results.py`; the dev runs: "
+            "from them (seed 0's, run at tau 0.3, are exact below 0.3 only for the prompts that "
+            "did not select: a selection cuts the curve short). Rendered by `python scripts/smollm2_results.py`; the dev runs: "
             "`scripts/sweeps_smollm2.sh` (asl_dev_s1_*).\n\n"
             "![ASL relative rank variance](asl_relvar_smollm2.png)\n\n" + "\n".join(rows))
 
