@@ -1407,12 +1407,16 @@ def slim(path: Path, every: bool = False) -> None:
         stats = r.get("method_stats") or {}
         stats.pop("layer_budgets", None)
         details = r.get("details") or []
-        # per layer, summed over heads, where some sample's layers differ (LAVa's plot)
-        totals = [[sum(x) for x in d["layer_budgets"]] for d in details
-                  if d.get("layer_budgets")]
-        if len(totals) == len(details) and any(len(set(t)) > 1 for t in totals):
-            for d, t in zip(details, totals):
+        # per layer, summed over heads, where some sample's layers differ (LAVa's plot);
+        # a slimmed batches file (`slim_batches`) has the sums already
+        totals = [[sum(x) for x in d["layer_budgets"]] if d.get("layer_budgets")
+                  else d.get("layer_totals") for d in details]
+        keep = all(totals) and any(len(set(t)) > 1 for t in totals)
+        for d, t in zip(details, totals):
+            if keep:
                 d["layer_totals"] = t
+            else:
+                d.pop("layer_totals", None)
         if every:
             for k in {k for d in details for k in d} & set(stats):
                 stats.pop(k)
@@ -1432,6 +1436,29 @@ def slim(path: Path, every: bool = False) -> None:
     tmp.replace(path)
 
 
+def slim_batches(path: Path) -> None:
+    """A sweep's unfinished batches file (`<records>.jsonl.batches`) made small enough to
+    commit, and still resumable: each batch's per-batch `layer_budgets` (the samples' own,
+    stacked) dropped, each sample's [L, K] `layer_budgets` replaced by its per-layer sums
+    (`slim` keeps those only where layers differ once the record is written)."""
+    import json
+
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            piece = json.loads(line)
+        except ValueError:  # a line cut off by a kill: `--resume` skips it too
+            continue
+        piece["piece"]["extra"].pop("layer_budgets", None)
+        for _, d in piece["piece"]["samples"]:
+            if d.get("layer_budgets"):
+                d["layer_totals"] = [sum(x) for x in d.pop("layer_budgets")]
+        out.append(json.dumps(piece) + "\n")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(out))
+    tmp.replace(path)
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -1439,7 +1466,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slim", nargs="+", type=Path, metavar="FILE",
                    help="only drop the per-layer budgets of these records files (per-layer "
-                        "sums kept where layers differ)")
+                        "sums kept where layers differ), or of a sweep's unfinished "
+                        "<records>.jsonl.batches (still resumable)")
     p.add_argument("--every-method", action="store_true",
                    help="with --slim: also drop per-batch statistics the samples repeat "
                         "and per-sample ones over 512 bytes")
@@ -1458,7 +1486,7 @@ def main(argv=None) -> int:
         return 0
     if a.slim:
         for f in a.slim:
-            slim(f, a.every_method)
+            slim_batches(f) if f.name.endswith(".batches") else slim(f, a.every_method)
         return 0
     records = load()
     calib = calibration(records)

@@ -89,9 +89,12 @@ def test_docs_results_overview_is_current(ov, tmp_path):
 
 def test_docs_results_stays_small():
     # 5 MB held the SmolLM2 and tiny-model pages; the claims registry (0.2 MB) and the
-    # real models' RULER records (per-sample predictions, ~1.5 MB) need more: 8 MB
+    # real models' RULER records (per-sample predictions, ~1.5 MB) needed 8; each Qwen task
+    # adds ~1.5 MB of slimmed records (baselines, dev pooling, papers: 11 methods x 2
+    # budgets x 50 samples, `smollm2_results.py --slim`), two tasks and their sweeps under
+    # way: 11 MB
     size = sum(f.stat().st_size for f in RESULTS.rglob("*") if f.is_file())
-    assert size < 8_000_000, f"docs/results is {size / 1e6:.2f} MB: keep it under 8 MB"
+    assert size < 11_000_000, f"docs/results is {size / 1e6:.2f} MB: keep it under 11 MB"
 
 
 def test_readme_claims_table_is_current(ov):

@@ -173,3 +173,21 @@ def test_qwen_prefill_pages_judge_their_pairs_and_say_where_the_needle_went(monk
     text = s.qwen_prefill("asl")
     assert "50 of 50 prompts never crossed tau = 0.3" in text
     assert "reached 0.60 at the lowest (median over the prompts of each one's lowest: 1.09)" in text
+
+
+def test_slimmed_batches_keep_what_a_resume_and_the_pages_read(monkeypatch, tmp_path):
+    """`--slim` on a sweep's batches file: per-batch layer budgets dropped, each sample's
+    [L, K] budgets become per-layer sums, every other field kept, a cut-off line dropped."""
+    import json
+
+    s = _qwen_renderer(monkeypatch, tmp_path, "lava")
+    piece = {"budget": 4, "ttft": 1.0, "extra": {"layer_budgets": [[[4, 4], [2, 6]]]},
+             "samples": [[0, {"score": 1.0, "layer_budgets": [[4, 4], [2, 6]], "x": 1}]]}
+    f = tmp_path / "r.jsonl.batches"
+    f.write_text(json.dumps({"job": "j", "idx": [0], "piece": piece}) + "\n" + '{"job": "j", "i')
+    s.main(["--slim", str(f)])
+    (got,) = [json.loads(line) for line in f.read_text().splitlines()]
+    assert got["piece"]["extra"] == {}
+    assert got["piece"]["samples"] == [[0, {"score": 1.0, "layer_totals": [8, 8], "x": 1}]]
+    assert {k: v for k, v in got["piece"].items() if k not in ("extra", "samples")} == \
+        {"budget": 4, "ttft": 1.0}
