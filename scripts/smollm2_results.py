@@ -529,13 +529,30 @@ def _qwen_pairs() -> list[tuple]:
     return pairs
 
 
+def _under_way(pattern: str) -> list[str]:
+    """How far each unfinished Qwen sweep matching `pattern` (its .batches file) is."""
+    import json
+
+    going = []
+    for f in sorted(QWEN.glob(pattern)):
+        jobs = {}
+        for line in f.read_text().splitlines():
+            try:  # a line cut off by a kill is skipped, as `--resume` skips it
+                piece = json.loads(line)
+            except ValueError:
+                continue
+            jobs.setdefault(piece["job"], set()).update(piece["idx"])
+        done = min(len(v) for v in jobs.values())
+        going.append(f"`{f.name[:-len('.batches')]}` (under way: {len(jobs)} cells have "
+                     f"begun, the least advanced at {done} of 50 samples)")
+    return going
+
+
 def qwen_baselines(ctx: int = 4096) -> str:
     """Qwen2.5-Coder-0.5B's baselines at `ctx` on each RULER task its full cache solves
     (`scripts/sweeps_qwen.sh baselines`): a table and the declared comparisons per task
     whose sweep is complete; a sweep under way says how far it is."""
-    import json
-
-    blocks, going = [], []
+    blocks = []
     for f in sorted(QWEN.glob(f"baselines_*_{ctx}.jsonl")):
         rel = str(f.relative_to(ROOT))
         recs = [{**r, "_files": [rel]} for r in report.load_records(f) if r["samples"] >= 50]
@@ -560,17 +577,7 @@ def qwen_baselines(ctx: int = 4096) -> str:
             + (f"; ObservedAttention's: `{papers.relative_to(ROOT)}`" if any(
                 r["method"] == "observed_attention" for r in recs) else "") + ".\n\n"
             + table(recs) + "\n\n" + claims(recs, _qwen_pairs(), budgets(ctx)))
-    for f in sorted(QWEN.glob(f"baselines_*_{ctx}.jsonl.batches")):
-        jobs = {}
-        for line in f.read_text().splitlines():
-            try:  # a line cut off by a kill is skipped, as `--resume` skips it
-                piece = json.loads(line)
-            except ValueError:
-                continue
-            jobs.setdefault(piece["job"], set()).update(piece["idx"])
-        done = min(len(v) for v in jobs.values())
-        going.append(f"`{f.name[:-len('.batches')]}` (under way: {len(jobs)} cells have "
-                     f"begun, the least advanced at {done} of 50 samples)")
+    going = _under_way(f"baselines_*_{ctx}.jsonl.batches")
     head = ("The eight baselines at 1/8 and 1/16 of the context on the RULER tasks "
             "Qwen2.5-Coder-0.5B's full cache solves at 4096 (MODEL.md, "
             "`qwen2.5-coder-0.5b-ruler`), SnapKV's pooling kernel at its default 7, methods "
@@ -669,8 +676,11 @@ def qwen_papers(page: str, ctx: int = 4096) -> str | None:
             f"`{f.relative_to(ROOT)}` and, for full, H2O and StreamingLLM (and the SnapKV "
             f"family at kernel 7), `{base.relative_to(ROOT)}`.\n\n"
             + table(mine) + "\n\n" + claims(mine, pairs, budgets(ctx)))
+    going = _under_way(f"papers_*_{ctx}.jsonl.batches")
     if not blocks:
-        return None
+        return ("Not measured yet: " + "; ".join(going) + " (`nice bash "
+                "scripts/sweeps_qwen.sh papers ruler/niah_multikey_2` resumes it).") \
+            if going else None
     return ("The papers' methods on the RULER tasks Qwen2.5-Coder-0.5B's full cache solves "
             "at 4096, at 1/8 and 1/16 of the context, rendered by `python "
             "scripts/smollm2_results.py` from `scripts/sweeps_qwen.sh papers`.\n\n"
