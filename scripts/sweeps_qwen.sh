@@ -27,7 +27,9 @@
 #   PyramidKV, PyramidKV vs SnapKV, SnapKV vs H2O, TOVA and StreamingLLM ("better"), at
 #   each budget and task.
 # - papers: the five papers' methods that compress after the full prefill, on the same
-#   samples and budgets, one shared prefill a task (~2 h a task): LAVa, CAKE, HeadKV
+#   samples and budgets, one shared prefill a task (11 methods x 2 budgets at kernel 17:
+#   ~25 min a batch beside other sweeps, ~3 h a task; niah_multikey_2: 6 of 7 batches on
+#   2026-11-28): LAVa, CAKE, HeadKV
 #   (kvjax/assets/head_scores/qwen2.5-coder-0.5b.json), CriticalKV over SnapKV, Ada-SnapKV
 #   and HeadKV, D2O, ObservedAttention, and the SnapKV family
 #   again where the pooling section chose another kernel than 7 (every method with a
@@ -65,9 +67,11 @@ print(",".join(t for t, (n, a) in best.items() if a >= 0.8))
 EOF
 }
 
-run() {  # file, then arguments
+run() {  # file, then arguments; the records (or a stopped sweep's batches) slimmed after
   local f=$D/$1; shift
   if [ -e "$f" ] || [ -e "$f.batches" ]; then $R "$@" --output "$f" --resume; else $R "$@" --output "$f"; fi
+  for g in "$f" "$f.batches"; do [ -e "$g" ] && python scripts/smollm2_results.py --slim "$g"; done
+  true
 }
 
 TASKS=$(solved)
