@@ -1360,7 +1360,8 @@ def asl_curves() -> str | None:
             "(the dev seed's with tau = 1e-6, which never selects, so every layer's value is on "
             "all the prompt's tokens); the prompts that would select at a tau and where follow "
             "from them (seed 0's, run at tau 0.3, are exact below 0.3 only for the prompts that "
-            "did not select: a selection cuts the curve short). Rendered by `python scripts/smollm2_results.py`; the dev runs: "
+            "did not select: a selection cuts the curve short). Rendered by `python "
+            "scripts/smollm2_results.py`; the dev runs: "
             "`scripts/sweeps_smollm2.sh` (asl_dev_s1_*).\n\n"
             "![ASL relative rank variance](asl_relvar_smollm2.png)\n\n" + "\n".join(rows))
 
