@@ -717,21 +717,15 @@ def qwen_prefill(page: str, ctx: int = 4096) -> str | None:
         if page == "asl":
             import numpy as np
 
-            rv = _relvar(next(r for r in recs if r["method"] == "asl"))
-            rv[np.arange(len(rv)), np.argmax(~np.isnan(rv), axis=1)] = np.nan  # L_min: 1
-            low = np.nanmin(rv, axis=1)
+            low = np.nanmin(_relvar(next(r for r in recs if r["method"] == "asl"), False),
+                            axis=1)
             fired = (" ASL's selection layer: " + _asl_layers(recs) + f". Its relative rank "
                      f"variance after L_min reached {low.min():.2f} at the lowest (median over "
                      f"the prompts of each one's lowest: {np.median(low):.2f}).")
         else:
-            r = next(r for r in recs if r["method"] == "sliminfer")
-            kept, n, ok_kept, ok_lost = _needle_kept(r)
-            if n:
-                fired = (f" The needle's blocks (`answer_span` against `kept_blocks`) survived "
-                         f"stage 1, 2, 3 in {', '.join(map(str, kept))} of {n} prompts; "
-                         f"SlimInfer answered {ok_kept} of the {kept[-1]} whose needle every "
-                         f"stage kept, {ok_lost} of the {n - kept[-1]} whose needle a stage "
-                         "dropped.")
+            needle = _needle_text(next(r for r in recs if r["method"] == "sliminfer"))
+            if needle:
+                fired = f" SlimInfer (`answer_span` against `kept_blocks`): {needle}."
         blocks.append(
             f"#### {recs[0]['task']}\n\nRULER's samples {skip}-{skip + 49}, plain prompts, "
             f"{ctx} tokens, question-aware, seed {recs[0]['seed']}; {report.model_line(recs)}; "
@@ -1104,6 +1098,16 @@ def _slim_decode(recs: list[dict]) -> str:
 SLIM_EQ = {192: "kvjax's floored schedule, (12, 6, 3) blocks", 128: "the paper's, (8, 4, 2) blocks"}
 
 
+def _needle_text(r: dict) -> str:
+    """Where SlimInfer's needle went (`_needle_kept`) in one clause; "" without spans."""
+    kept, n, ok_kept, ok_lost = _needle_kept(r)
+    if not n:
+        return ""
+    return (f"the needle's blocks survived stage 1, 2, 3 in {', '.join(map(str, kept))} of "
+            f"{n} prompts; answered {ok_kept} of the {kept[-1]} whose needle every stage kept, "
+            f"{ok_lost} of the {n - kept[-1]} whose needle a stage dropped")
+
+
 def _needle_kept(r: dict) -> tuple[list[int], int, int, int]:
     """SlimInfer's samples whose needle (the answer's tokens, `answer_span`) sat in a block
     each pruning stage kept: [samples kept by stages 1..i], the samples with a span, and the
@@ -1133,18 +1137,9 @@ def _sliminfer_eq(ctx: int) -> str:
         {r["budget"] for r in recs}, reverse=True))
     pairs = [("sliminfer", "full", {}, {}), ("lazyllm", "full", {}, {}),
              ("sliminfer", "lazyllm", {}, {})]
-    lines = []
-    for r in sorted(recs, key=lambda r: -r["budget"]):
-        if r["method"] != "sliminfer":
-            continue
-        kept, n, ok_kept, ok_lost = _needle_kept(r)
-        if n:
-            lost = n - kept[-1]
-            lines.append(f"at {r['budget']} ({SLIM_EQ.get(r['budget'], 'scaled')}): the "
-                         f"needle's blocks survived stage 1, 2, 3 in "
-                         f"{', '.join(str(k) for k in kept)} of {n} prompts; answered "
-                         f"{ok_kept} of the {kept[-1]} whose needle every stage kept and "
-                         f"{ok_lost} of the {lost} whose needle a stage dropped")
+    lines = [f"at {r['budget']} ({SLIM_EQ.get(r['budget'], 'scaled')}): {_needle_text(r)}"
+             for r in sorted(recs, key=lambda r: -r["budget"])
+             if r["method"] == "sliminfer" and _needle_text(r)]
     needle = ("\n\nWhere the needle went (the records' `kept_blocks` per pruning stage "
               "against the block of the answer's tokens in the prompt, `answer_span`): "
               + "; ".join(lines) + ".") if lines else ""
@@ -1229,8 +1224,9 @@ def _asl_lmin(ctx: int) -> str:
     return (f"\n\n**With ranks from L_min on** (`rank_from=l_min`, Appendix D's reading: "
             f"ASL \"starts the operation\" at L_min; docs/results/smollm2/asl_lmin_k17_{ctx}"
             ".jsonl, kernel 17, tau 0.3 as the paper): the reading chosen on the dev seed, "
-            "where it is the only one under which ASL selects (\"The selection curve\" "
-            "below). ASL's selection layer: " + _asl_layers(recs) + ".\n\n"
+            "the one reading of the paper under which ASL selects with the paper's tau and "
+            "L_obs (\"The selection curve\" below). ASL's selection layer: "
+            + _asl_layers(recs) + ".\n\n"
             + table(full + recs + others, {"full", "asl", "asl_full_before", "asl_2pass",
                                            "fastkv", "gemfilter"}) + "\n\n"
             + claims(recs + others, pairs, (budgets(ctx)[0],)))
@@ -1264,12 +1260,16 @@ ASL_DEV = {"default": "the defaults", "rank_from_l_min": "rank_from=l_min",
 ASL_TAUS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
-def _relvar(r: dict):
-    """[prompts, layers] relative rank variance (NaN before L_min and after a selection)."""
+def _relvar(r: dict, at_lmin: bool = True):
+    """[prompts, layers] relative rank variance (NaN before L_min and after a selection;
+    `at_lmin=False`: NaN at L_min too, where it is 1 by definition)."""
     import numpy as np
 
-    return np.array([[np.nan if x is None else x for x in d["relative_variance"]]
-                     for d in r["details"]], float)
+    rv = np.array([[np.nan if x is None else x for x in d["relative_variance"]]
+                   for d in r["details"]], float)
+    if not at_lmin:
+        rv[np.arange(len(rv)), np.argmax(~np.isnan(rv), axis=1)] = np.nan
+    return rv
 
 
 def _first_below(rv, tau: float):
@@ -1303,20 +1303,17 @@ def asl_curves() -> str | None:
         r = next((r for r in report.load_records(path) if r["method"] == "asl"), None) \
             if path.exists() else None
         if r is not None and r["samples"] >= 50:
-            curves.append((what, f, r, _relvar(r)))
+            curves.append((what, f, _relvar(r), _relvar(r, False)))
     if not curves:
         return None
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4.4))
     taus = np.linspace(0.01, 1.0, 100)
-    for what, _, r, rv in curves:
-        x = np.arange(rv.shape[1])
-        med = np.nanmedian(np.where(np.isnan(rv).all(0), 0, rv), axis=0)
-        keep = ~np.isnan(rv).all(0)
-        line, = ax.plot(x[keep], med[keep], label=what, lw=1.2)
+    for what, _, rv, after in curves:
+        keep = ~np.isnan(rv).all(0)  # the layers from L_min on
+        line, = ax.plot(np.flatnonzero(keep), np.nanmedian(rv[:, keep], axis=0), label=what,
+                        lw=1.2)
         lo, hi = np.nanpercentile(rv[:, keep], [10, 90], axis=0)
-        ax.fill_between(x[keep], lo, hi, color=line.get_color(), alpha=0.12)
-        after = rv.copy()
-        after[np.arange(len(rv)), np.argmax(~np.isnan(rv), axis=1)] = np.nan  # L_min itself: 1
+        ax.fill_between(np.flatnonzero(keep), lo, hi, color=line.get_color(), alpha=0.12)
         bx.plot(taus, [(_first_below(after, t) >= 0).mean() * 100 for t in taus],
                 color=line.get_color(), lw=1.2)
     ax.axhline(0.3, color="black", ls="--", lw=0.8)
@@ -1341,9 +1338,7 @@ def asl_curves() -> str | None:
     rows = ["| records | prompts | lowest after L_min: min / median | "
             + " | ".join(f"select at tau {t:g}" for t in ASL_TAUS) + " |",
             "|---|---|---|" + "---|" * len(ASL_TAUS)]
-    for what, f, r, rv in curves:
-        after = rv.copy()
-        after[np.arange(len(rv)), np.argmax(~np.isnan(rv), axis=1)] = np.nan
+    for what, f, rv, after in curves:
         low = np.nanmin(after, axis=1)
         cells = []
         for t in ASL_TAUS:
@@ -1355,7 +1350,7 @@ def asl_curves() -> str | None:
         rows.append(f"| {what} ({f}.jsonl) | {len(rv)} | {low.min():.2f} / "
                     f"{np.median(low):.2f} | " + " | ".join(cells) + " |")
     return ("ASL selects at the first layer after L_min (layer "
-            f"{int(np.argmax(~np.isnan(curves[0][3][0])))} of 30 here) whose relative rank "
+            f"{int(np.argmax(~np.isnan(curves[0][2][0])))} of 30 here) whose relative rank "
             "variance falls below tau. The curves below are the records' `relative_variance` "
             "(the dev seed's with tau = 1e-6, which never selects, so every layer's value is on "
             "all the prompt's tokens); the prompts that would select at a tau and where follow "

@@ -96,8 +96,8 @@ done
 # CriticalKV's one open cell at 2048 (SnapKV 1/16: 44 vs 28 at 50 samples, a tie): 150
 # samples (their own draw: the needle depths are spread over the sample count)
 R=${R/--samples 50/--samples 150} sweep2 critical_n150_k17_2048.jsonl --method snapkv,critical_snapkv --budget 128 --set kernel=17
-# ASL, FastKV and GemFilter pooling at kernel 17 (ASL's tau must lie in (0, 1); this
-# model's relative rank variance stays above 0.79, so no allowed tau makes ASL select)
+# ASL, FastKV and GemFilter pooling at kernel 17 (under the code's reading, ranks from
+# layer 0, this model's relative rank variance seldom falls below 1: ASL almost never selects)
 sweep1 asl_k17_1024.jsonl --method asl,fastkv,gemfilter --budget 128 --set kernel=17
 sweep1 asl_full_before_k17_1024.jsonl --method asl_full_before --budget 128 --set kernel=17
 # FastKV at ASL's live KV: FastKV's layers from its TSP layer on keep every propagated

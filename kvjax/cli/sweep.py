@@ -43,6 +43,7 @@ class Prompts:
     spec: TaskSpec = None
     in_file: int | None = None  # a benchmark file's record count (before --fraction)
     selection: dict | None = None  # a benchmark file's --fraction and --samples
+    spans: list | None = None  # per sample: `answer_span` of its prompt, found once
 
 
 @dataclasses.dataclass
@@ -143,7 +144,8 @@ def _encode(model, spec: TaskSpec, context: int | None, args) -> Prompts:
            for s in samples]
     selection = None if spec.synthetic else {"fraction": args.fraction or 1.0,
                                                "max_samples": cap}
-    return Prompts(samples, prompts, questions, new, spec, in_file, selection)
+    spans = [answer_span(model, p, s.answer) for s, p in zip(samples, prompts)]
+    return Prompts(samples, prompts, questions, new, spec, in_file, selection, spans)
 
 
 def _counter(model, args):
@@ -394,9 +396,8 @@ class _Result:
                    "correct": bool(score == 1.0), "depth": s.depth, "budget": budget}
             if d.spec is not None and not d.spec.synthetic:
                 rec.update(_sample_id(s))
-            span = answer_span(model, d.prompts[i], s.answer)
-            if span is not None:
-                rec["answer_span"] = span
+            if d.spans[i] is not None:
+                rec["answer_span"] = d.spans[i]
             for k, v in st.items():
                 if k not in (*engine.ENGINE_STATS, *BULKY_STATS) and isinstance(v, list) \
                         and len(v) == len(idx):
