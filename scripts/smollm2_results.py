@@ -636,6 +636,27 @@ def qwen_pooling(task: str = "niah_multikey_2", ctx: int = 4096) -> str:
                              if k == 7 else "."))
 
 
+# ASL's reading on Qwen (`scripts/sweeps_qwen.sh asl_dev`, declared before that run): the
+# defaults (the authors' code: ranks from layer 0) if at least half the dev prompts would
+# select at the paper's tau 0.3; else ranks from L_min, the reading SmolLM2's dev seed chose
+ASL_QWEN_MIN_SELECT = 25
+
+
+@functools.cache
+def qwen_dev_asl(task: str = "niah_multikey_2", ctx: int = 4096) -> tuple[str | None, str]:
+    """The `--set` arguments of ASL's reading for the Qwen claims ("" for the defaults) and
+    why; (None, why) until the dev run is complete."""
+    f = QWEN / f"dev_asl_default_{task}_{ctx}.jsonl"
+    r = next((r for r in report.load_records(f) if r["method"] == "asl"
+              and r["samples"] >= 50 and r.get("ruler_skip") == QWEN_DEV_SKIP), None) \
+        if f.exists() else None
+    if r is None:
+        return None, f"{f.relative_to(ROOT)} is not complete"
+    n = int((_first_below(_relvar(r, False), 0.3) >= 0).sum())
+    why = f"{n} of {r['samples']} dev prompts would select at tau 0.3 under the defaults"
+    return ("" if n >= ASL_QWEN_MIN_SELECT else "--set asl.rank_from=l_min"), why
+
+
 # scripts/sweeps_qwen.sh papers: each page's methods and declared comparisons ("a", "b"; the
 # SnapKV family and LAVa/CAKE at the kernel chosen on the dev samples); H2O, StreamingLLM and
 # full come from the baselines sweep on the same samples
@@ -1481,7 +1502,19 @@ def main(argv=None) -> int:
                    help="print SnapKV's pooling kernel for the Qwen claims, chosen on RULER's "
                         "dev samples (scripts/sweeps_qwen.sh pooling), and exit; exit 2 with "
                         "the reason before that sweep is complete")
+    p.add_argument("--qwen-asl", action="store_true",
+                   help="print the --set arguments of ASL's reading for the Qwen claims, "
+                        "chosen on RULER's dev samples (scripts/sweeps_qwen.sh asl_dev), and "
+                        "exit; exit 2 before that run is complete")
     a = p.parse_args(argv)
+    if a.qwen_asl:
+        sets, why = qwen_dev_asl()
+        if sets is None:
+            print(f"error: no ASL reading chosen yet: {why} (scripts/sweeps_qwen.sh asl_dev)",
+                  file=sys.stderr)
+            return 2
+        print(sets)
+        return 0
     if a.qwen_kernel:
         k, why, _ = qwen_dev_kernel()
         if k is None:

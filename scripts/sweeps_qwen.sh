@@ -4,7 +4,7 @@
 # docs/results/qwen2.5-coder-0.5b/, resumable: re-run this script (or one line of it) to
 # finish what a stop cut off; commit the records as they come.
 #   nice bash scripts/sweeps_qwen.sh [SECTION [TASKS]]  # SECTION: baselines (default),
-#       pooling, papers, prefill; TASKS: a comma list of the solved tasks to run, in that order
+#       pooling, papers, asl_dev, prefill; TASKS: a comma list of the solved tasks to run, in that order
 #       (default all)
 # A stopped sweep keeps its finished batches (<records>.jsonl.batches, commit them too) and
 # the re-run continues from the batch it was in, so a task's ~2 h may span sessions.
@@ -109,10 +109,21 @@ case "${1:-baselines}" in
     for t in ${TASKS//,/ }; do
       run "papers_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512,256 --method "$M" "${SETS[@]}"
     done ;;
-  prefill)
+  asl_dev)  # ASL's relative rank variance on the dev samples, tau = 1e-6: it never selects,
+    # so every layer's value is recorded and the prompts any tau would select follow from it;
+    # the paper's code's reading (ranks from layer 0). `--qwen-asl` reads it for prefill.
+    K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
     for t in ${TASKS//,/ }; do
-      run "prefill_asl_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512 --method asl,fastkv,gemfilter
+      R=${R/--ruler-skip 16/--ruler-skip 66} run "dev_asl_default_${t#ruler/}_$CTX.jsonl" \
+        --task "$t" --budget 512 --method asl --set kernel=$K --set tau=1e-6
+    done ;;
+  prefill)
+    K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
+    A=$(python scripts/smollm2_results.py --qwen-asl) || exit 2
+    for t in ${TASKS//,/ }; do
+      run "prefill_asl_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512 --method asl,fastkv,gemfilter \
+        --set asl.kernel=$K --set fastkv.kernel=$K --set gemfilter.kernel=$K $A
       run "prefill_slim_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 256 --method sliminfer,lazyllm
     done ;;
-  *) echo "unknown section $1: baselines, pooling, papers or prefill" >&2; exit 2 ;;
+  *) echo "unknown section $1: baselines, pooling, papers, asl_dev or prefill" >&2; exit 2 ;;
 esac

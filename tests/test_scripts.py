@@ -175,6 +175,36 @@ def test_qwen_prefill_pages_judge_their_pairs_and_say_where_the_needle_went(monk
     assert "reached 0.60 at the lowest (median over the prompts of each one's lowest: 1.09)" in text
 
 
+def test_qwen_asl_reading_is_chosen_on_the_dev_run_by_the_declared_rule(monkeypatch, tmp_path,
+                                                                       capsys):
+    """ASL's Qwen reading: the defaults where at least half the dev prompts' curves (tau =
+    1e-6, L_min's own 1 excluded) fall below tau 0.3 after L_min, else ranks from L_min;
+    exit 2 with the reason before the dev run is complete or on other samples."""
+    import json
+
+    s = _qwen_renderer(monkeypatch, tmp_path, "asl")
+    assert s.main(["--qwen-asl"]) == 2
+    assert "dev_asl_default_niah_multikey_2_4096.jsonl is not complete" in capsys.readouterr().err
+
+    def write(lows, skip=66):
+        # L_min at layer 2 (its 1 by definition), then the prompt's curve
+        d = [{"score": 0.0, "relative_variance": [None, None, 1.0, 0.9, low, 0.8]}
+             for low in lows]
+        r = {"method": "asl", "samples": len(d), "ruler_skip": skip, "details": d}
+        (tmp_path / "dev_asl_default_niah_multikey_2_4096.jsonl").write_text(json.dumps(r) + "\n")
+        s.qwen_dev_asl.cache_clear()
+
+    write([0.29] * 25 + [0.31] * 25)
+    assert s.main(["--qwen-asl"]) == 0
+    assert capsys.readouterr().out == "\n"  # the defaults: no --set
+    assert s.qwen_dev_asl()[1] == "25 of 50 dev prompts would select at tau 0.3 under the defaults"
+    write([0.29] * 24 + [0.31] * 26)
+    assert s.main(["--qwen-asl"]) == 0
+    assert capsys.readouterr().out == "--set asl.rank_from=l_min\n"
+    write([0.29] * 50, skip=16)  # the judged samples are never the dev run
+    assert s.main(["--qwen-asl"]) == 2
+
+
 def test_slimmed_batches_keep_what_a_resume_and_the_pages_read(monkeypatch, tmp_path):
     """`--slim` on a sweep's batches file: per-batch layer budgets dropped, each sample's
     [L, K] budgets become per-layer sums, every other field kept, a cut-off line dropped."""
