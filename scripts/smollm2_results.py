@@ -661,7 +661,7 @@ def qwen_dev_asl(task: str = "niah_multikey_2", ctx: int = 4096) -> tuple[str | 
 # SnapKV family and LAVa/CAKE at the kernel chosen on the dev samples); H2O, StreamingLLM and
 # full come from the baselines sweep on the same samples
 KERNELED = {"snapkv", "ada_snapkv", "pyramidkv", "lava", "cake", "critical_snapkv",
-            "critical_adakv", "headkv", "critical_headkv"}
+            "critical_adakv", "headkv", "critical_headkv", "lava_heads_only", "lava_layers_only"}
 QWEN_PAPER_PAIRS = {
     "lava": [("lava", "full"), ("cake", "full"), ("lava", "ada_snapkv"), ("lava", "snapkv"),
              ("lava", "pyramidkv"), ("lava", "cake"), ("ada_snapkv", "snapkv")],
@@ -698,6 +698,7 @@ def qwen_papers(page: str, ctx: int = 4096) -> str | None:
             f"family at kernel 7), `{base.relative_to(ROOT)}`.\n\n"
             + table(mine) + "\n\n" + claims(mine, pairs, budgets(ctx)))
     going = _under_way(f"papers_*_{ctx}.jsonl.batches")
+    more = qwen_more(page, ctx)
     if not blocks:
         return ("Not measured yet: " + "; ".join(going) + " (`nice bash "
                 "scripts/sweeps_qwen.sh papers ruler/niah_multikey_2` resumes it).") \
@@ -705,7 +706,66 @@ def qwen_papers(page: str, ctx: int = 4096) -> str | None:
     return ("The papers' methods on the RULER tasks Qwen2.5-Coder-0.5B's full cache solves "
             "at 4096, at 1/8 and 1/16 of the context, rendered by `python "
             "scripts/smollm2_results.py` from `scripts/sweeps_qwen.sh papers`.\n\n"
-            + "\n\n".join(blocks))
+            + "\n\n".join(blocks + more))
+
+
+def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 4096,
+                 want=lambda m: {}) -> list[str]:
+    """A block per complete `<prefix>_<task>_<ctx>.jsonl` of `scripts/sweeps_qwen.sh
+    <section>`: its table and the declared `pairs` at the budgets `at`, methods with the
+    parameters `want(method)`; full from the file, else from the baselines sweep of the same
+    samples. An unfinished sweep says how far it is."""
+    shown = {m for ab in pairs for m in ab}
+    blocks = []
+    for f in sorted(QWEN.glob(f"{prefix}_*_{ctx}.jsonl")):
+        base = f.with_name("baselines_" + f.name[len(prefix) + 1:])
+        own = [r for r in report.load_records(f) if r["samples"] >= 50]
+        recs = [{**r, "_files": [str(f.relative_to(ROOT))]} for r in own
+                if all(params(r).get(k) == v for k, v in want(r["method"]).items())]
+        if base.exists() and "full" not in {r["method"] for r in recs}:
+            recs += [{**r, "_files": [str(base.relative_to(ROOT))]}
+                     for r in report.load_records(base) if r["method"] == "full"
+                     and r["samples"] >= 50]
+        if not shown <= {r["method"] for r in recs}:
+            continue
+        skip = recs[0].get("ruler_skip", 0)
+        blocks.append(
+            f"#### {recs[0]['task']}, {title}\n\nRULER's samples {skip}-{skip + 49}, plain "
+            f"prompts, {ctx} tokens, question-aware, seed {recs[0]['seed']}; "
+            f"{report.model_line(recs)}; one shared prefill; budgets "
+            f"{' and '.join(f'{b} ({x})' for b, x in at)} entries a layer and KV head. "
+            f"Records: " + " and ".join(sorted({f"`{g}`" for r in recs for g in r["_files"]}))
+            + ".\n\n" + table(recs) + "\n\n"
+            + claims(recs, [(a, b, want(a), want(b)) for a, b in pairs], at))
+    going = _under_way(f"{prefix}_*_{ctx}.jsonl.batches")
+    return blocks + ([f"{title[0].upper() + title[1:]}: under way: {'; '.join(going)} (`nice "
+                      f"bash scripts/sweeps_qwen.sh {section}` resumes it)."] if going else [])
+
+
+# scripts/sweeps_qwen.sh d2o: D2O at the paper's own cache shares (20% and 40% of the prompt)
+# with the authors' code reading and the baselines it claims to beat, one shared prefill
+QWEN_D2O_PAIRS = [("d2o", "full"), ("d2o", "h2o"), ("d2o", "streaming_llm"),
+                  ("d2o_code", "h2o"), ("d2o_code", "streaming_llm")]
+QWEN_D2O_AT = ((1638, "40%"), (819, "20%"))  # of 4096
+
+# scripts/sweeps_qwen.sh aggregation: LAVa's claim where it says dynamic layer budgets matter
+# most (RULER's aggregation, scored by the share of the references written), with its
+# ablations (the paper's Table 5); every method with a kernel at the Qwen kernel
+QWEN_LAVA_TASK_PAIRS = QWEN_PAPER_PAIRS["lava"] + [("lava", "lava_heads_only"),
+                                                   ("lava", "lava_layers_only")]
+
+
+def qwen_more(page: str, ctx: int = 4096) -> list[str]:
+    """The Qwen blocks beyond the papers sweep: D2O at its own budgets, LAVa on aggregation."""
+    if page == "d2o":
+        return _qwen_blocks("d2o", QWEN_D2O_PAIRS, QWEN_D2O_AT,
+                            "40% and 20% of the context (D2O's own budgets)", "d2o", ctx)
+    if page == "lava":
+        k = qwen_dev_kernel()[0]
+        return _qwen_blocks("lava", QWEN_LAVA_TASK_PAIRS, budgets(ctx),
+                            "aggregation (LAVa's claim and its ablations)", "aggregation", ctx,
+                            lambda m: {"kernel": k} if m in KERNELED else {})
+    return []
 
 
 # scripts/sweeps_qwen.sh prefill: the methods that run their own prefill, each page's records
@@ -754,11 +814,42 @@ def qwen_prefill(page: str, ctx: int = 4096) -> str | None:
             f"`{base.relative_to(ROOT)}`.{fired}\n\n" + table(recs) + "\n\n"
             + claims(recs, [(a, b, {}, {}) for a, b in pairs], at)
             + (_slim_decode(recs) if page == "sliminfer" else ""))
-    if not blocks:
+    dev = qwen_asl_dev(ctx=ctx) if page == "asl" else None
+    going = _under_way(f"{prefix}_*_{ctx}.jsonl.batches")
+    if not blocks and not dev:
         return None
     return ("The methods that change the prefill, on the RULER tasks Qwen2.5-Coder-0.5B's "
             "full cache solves at 4096, rendered by `python scripts/smollm2_results.py` from "
-            "`scripts/sweeps_qwen.sh prefill`.\n\n" + "\n\n".join(blocks))
+            "`scripts/sweeps_qwen.sh prefill`.\n\n"
+            + "\n\n".join(([dev] if dev else []) + blocks
+                          + ([("Under way: " if blocks else "Not judged yet: ") + "; ".join(going)
+                              + " (`nice bash scripts/sweeps_qwen.sh prefill "
+                              "ruler/niah_multikey_2` resumes it)."] if going else [])))
+
+
+def qwen_asl_dev(task: str = "niah_multikey_2", ctx: int = 4096) -> str | None:
+    """The dev run that chose ASL's Qwen reading: which prompts each tau would select and
+    where (`scripts/sweeps_qwen.sh asl_dev`); None before it is complete."""
+    sets, why = qwen_dev_asl(task, ctx)
+    if sets is None:
+        return None
+    f = QWEN / f"dev_asl_default_{task}_{ctx}.jsonl"
+    r = next(r for r in report.load_records(f) if r["method"] == "asl")
+    rv = _relvar(r)
+    import numpy as np
+
+    l_min = int(np.argmax(~np.isnan(rv).all(0)))
+    return (f"**ASL's reading, chosen on the dev samples.** ruler/{task}, RULER's samples "
+            f"{QWEN_DEV_SKIP}-{QWEN_DEV_SKIP + 49}, {ctx} tokens, ASL at its defaults (ranks "
+            f"from layer 0, L_obs {r['details'][0].get('l_obs', 'default')}) with kernel "
+            f"{params(r).get('kernel')} and tau = 1e-6, which never selects, so each prompt's "
+            f"relative rank variance is recorded at every layer from L_min (layer {l_min} of "
+            f"{rv.shape[1]}) on (`{f.relative_to(ROOT)}`). The rule, declared before the run: "
+            f"the defaults if at least {ASL_QWEN_MIN_SELECT} of 50 prompts would select at "
+            f"the paper's tau 0.3, else ranks from L_min (`rank_from=l_min`, SmolLM2's dev "
+            f"choice). Here {why}: chosen "
+            + ("the defaults." if sets == "" else f"`{sets.split()[-1].split('.', 1)[1]}`.")
+            + "\n\n" + "\n".join(_tau_table([("dev, the defaults", _relvar(r, False))])))
 
 
 # LAVa's tasks at each context (the paper's claim is an average over tasks): each task's
@@ -1303,6 +1394,28 @@ def _first_below(rv, tau: float):
     return np.where(hit.any(axis=1), hit.argmax(axis=1), -1)
 
 
+def _tau_table(curves) -> list[str]:
+    """Markdown rows: per (label, [prompts, layers] curve without L_min's 1), the lowest
+    value after L_min and the prompts that would select at each of ASL_TAUS, and where."""
+    import numpy as np
+
+    rows = ["| records | prompts | lowest after L_min: min / median | "
+            + " | ".join(f"select at tau {t:g}" for t in ASL_TAUS) + " |",
+            "|---|---|---|" + "---|" * len(ASL_TAUS)]
+    for what, after in curves:
+        low = np.nanmin(after, axis=1)
+        cells = []
+        for t in ASL_TAUS:
+            at = _first_below(after, t)
+            layers = sorted(set(at[at >= 0].tolist()))
+            cells.append(f"{(at >= 0).sum()}" + (f" (layers {layers[0]}-{layers[-1]})"
+                                                 if len(layers) > 1 else
+                                                 f" (layer {layers[0]})" if layers else ""))
+        rows.append(f"| {what} | {len(after)} | {low.min():.2f} / {np.median(low):.2f} | "
+                    + " | ".join(cells) + " |")
+    return rows
+
+
 def asl_curves() -> str | None:
     """ASL's per-layer relative rank variance on SmolLM2 (seed 0 at kernels 7 and 17, and the
     dev seed's readings with tau = 1e-6, which never select and so record every layer):
@@ -1356,20 +1469,7 @@ def asl_curves() -> str | None:
     fig.savefig(png, dpi=80)
     plt.close(fig)
     _quantize(png)
-    rows = ["| records | prompts | lowest after L_min: min / median | "
-            + " | ".join(f"select at tau {t:g}" for t in ASL_TAUS) + " |",
-            "|---|---|---|" + "---|" * len(ASL_TAUS)]
-    for what, f, rv, after in curves:
-        low = np.nanmin(after, axis=1)
-        cells = []
-        for t in ASL_TAUS:
-            at = _first_below(after, t)
-            layers = sorted(set(at[at >= 0].tolist()))
-            cells.append(f"{(at >= 0).sum()}" + (f" (layers {layers[0]}-{layers[-1]})"
-                                                 if len(layers) > 1 else
-                                                 f" (layer {layers[0]})" if layers else ""))
-        rows.append(f"| {what} ({f}.jsonl) | {len(rv)} | {low.min():.2f} / "
-                    f"{np.median(low):.2f} | " + " | ".join(cells) + " |")
+    rows = _tau_table([(f"{what} ({f}.jsonl)", after) for what, f, _, after in curves])
     return ("ASL selects at the first layer after L_min (layer "
             f"{int(np.argmax(~np.isnan(curves[0][2][0])))} of 30 here) whose relative rank "
             "variance falls below tau. The curves below are the records' `relative_variance` "

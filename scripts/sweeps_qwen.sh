@@ -4,7 +4,7 @@
 # docs/results/qwen2.5-coder-0.5b/, resumable: re-run this script (or one line of it) to
 # finish what a stop cut off; commit the records as they come.
 #   nice bash scripts/sweeps_qwen.sh [SECTION [TASKS]]  # SECTION: baselines (default),
-#       pooling, papers, asl_dev, prefill; TASKS: a comma list of the solved tasks to run, in that order
+#       pooling, papers, d2o, aggregation, asl_dev, prefill; TASKS: a comma list of the solved tasks to run, in that order
 #       (default all)
 # A stopped sweep keeps its finished batches (<records>.jsonl.batches, commit them too) and
 # the re-run continues from the batch it was in, so a task's ~2 h may span sessions.
@@ -28,8 +28,7 @@
 #   each budget and task.
 # - papers: the five papers' methods that compress after the full prefill, on the same
 #   samples and budgets, one shared prefill a task (11 methods x 2 budgets at kernel 17:
-#   ~25 min a batch beside other sweeps, ~3 h a task; niah_multikey_2: 6 of 7 batches on
-#   2026-11-28): LAVa, CAKE, HeadKV
+#   ~25 min a batch beside other sweeps, ~3 h a task; niah_multikey_2 done 2026-11-28): LAVa, CAKE, HeadKV
 #   (kvjax/assets/head_scores/qwen2.5-coder-0.5b.json), CriticalKV over SnapKV, Ada-SnapKV
 #   and HeadKV, D2O, ObservedAttention, and the SnapKV family
 #   again where the pooling section chose another kernel than 7 (every method with a
@@ -39,6 +38,23 @@
 #   critical_snapkv / critical_adakv / critical_headkv better than SnapKV / Ada-SnapKV /
 #   HeadKV; HeadKV better than SnapKV and Ada-SnapKV; D2O better than H2O
 #   and StreamingLLM (these two from the baselines sweep, same samples).
+# - d2o: D2O at its paper's own cache shares, 40% and 20% of the prompt (1638 and 819 of
+#   4096), where H2O may leave the floor it sits on at 1/8 (6%): D2O, its authors' code
+#   reading (d2o_code), H2O and StreamingLLM, one shared prefill (~50 min) and 8 cells of
+#   ~10 min: ~2 h a task. Declared (QWEN_D2O_PAIRS): D2O no worse than full; D2O and
+#   d2o_code better than H2O and StreamingLLM.
+# - aggregation: LAVa's claim where its paper says dynamic layer budgets matter most, RULER's
+#   aggregation: cwe (the full cache writes ~65% of the references at 4096 in the
+#   calibration: not "solved", but off the floor and the ceiling; scored by the share
+#   written, judged by a paired sign-flip test), TASKS defaulting to ruler/cwe. Full, SnapKV,
+#   Ada-SnapKV, PyramidKV, LAVa, CAKE and the ablations lava_heads_only / lava_layers_only
+#   at 1/8 and 1/16, kernel as chosen: one shared prefill (~60 min) and 14 cells of ~8 min
+#   (cwe writes up to 120 tokens): ~2.5-3 h. Declared (QWEN_LAVA_TASK_PAIRS): as papers'
+#   LAVa pairs, and LAVa better than each ablation.
+# - asl_dev: ASL's relative rank variance on the dev samples at tau = 1e-6 (never selects),
+#   its own prefill, ~50 min; the rule that reads it (`smollm2_results.py --qwen-asl`,
+#   declared before it ran): the defaults if >= 25 of 50 prompts select at tau 0.3, else
+#   ranks from L_min (SmolLM2's dev choice).
 # - prefill: the methods that change the prefill itself, each its own prefill (~40 min a
 #   method at n = 50 alone, ~3.5 h a task): ASL, FastKV and GemFilter selecting 512 tokens
 #   (1/8); SlimInfer and LazyLLM keeping 1024, 512 and 256 tokens after their three pruning
@@ -76,7 +92,7 @@ run() {  # file, then arguments; the records (or a stopped sweep's batches) slim
 
 TASKS=$(solved)
 [ -n "$TASKS" ] || { echo "no calibration records with a solved task in $D" >&2; exit 2; }
-if [ -n "${2:-}" ]; then
+if [ -n "${2:-}" ] && [ "${1:-}" != aggregation ]; then
   for t in ${2//,/ }; do
     [[ ",$TASKS," == *",$t,"* ]] || { echo "$t is not a solved task here ($TASKS)" >&2; exit 2; }
   done
@@ -109,6 +125,20 @@ case "${1:-baselines}" in
     for t in ${TASKS//,/ }; do
       run "papers_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512,256 --method "$M" "${SETS[@]}"
     done ;;
+  d2o)
+    for t in ${TASKS//,/ }; do
+      run "d2o_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 1638,819 \
+        --method d2o,d2o_code,h2o,streaming_llm
+    done ;;
+  aggregation)
+    K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
+    M=full,snapkv,ada_snapkv,pyramidkv,lava,cake,lava_heads_only,lava_layers_only
+    SETS=()
+    for m in ${M//,/ }; do [ $m = full ] || SETS+=(--set "$m.kernel=$K"); done
+    T=${2:-ruler/cwe}
+    for t in ${T//,/ }; do
+      run "lava_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512,256 --method "$M" "${SETS[@]}"
+    done ;;
   asl_dev)  # ASL's relative rank variance on the dev samples, tau = 1e-6: it never selects,
     # so every layer's value is recorded and the prompts any tau would select follow from it;
     # the paper's code's reading (ranks from layer 0). `--qwen-asl` reads it for prefill.
@@ -125,5 +155,5 @@ case "${1:-baselines}" in
         --set asl.kernel=$K --set fastkv.kernel=$K --set gemfilter.kernel=$K $A
       run "prefill_slim_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 256 --method sliminfer,lazyllm
     done ;;
-  *) echo "unknown section $1: baselines, pooling, papers, asl_dev or prefill" >&2; exit 2 ;;
+  *) echo "unknown section $1: baselines, pooling, papers, d2o, aggregation, asl_dev or prefill" >&2; exit 2 ;;
 esac

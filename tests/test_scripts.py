@@ -188,9 +188,10 @@ def test_qwen_asl_reading_is_chosen_on_the_dev_run_by_the_declared_rule(monkeypa
 
     def write(lows, skip=66):
         # L_min at layer 2 (its 1 by definition), then the prompt's curve
-        d = [{"score": 0.0, "relative_variance": [None, None, 1.0, 0.9, low, 0.8]}
+        d = [{"score": 0.0, "l_obs": 6, "relative_variance": [None, None, 1.0, 0.9, low, 0.8]}
              for low in lows]
-        r = {"method": "asl", "samples": len(d), "ruler_skip": skip, "details": d}
+        r = {"method": "asl", "samples": len(d), "ruler_skip": skip, "details": d,
+             "method_params": {"kernel": 17, "tau": 1e-6}}
         (tmp_path / "dev_asl_default_niah_multikey_2_4096.jsonl").write_text(json.dumps(r) + "\n")
         s.qwen_dev_asl.cache_clear()
 
@@ -201,8 +202,63 @@ def test_qwen_asl_reading_is_chosen_on_the_dev_run_by_the_declared_rule(monkeypa
     write([0.29] * 24 + [0.31] * 26)
     assert s.main(["--qwen-asl"]) == 0
     assert capsys.readouterr().out == "--set asl.rank_from=l_min\n"
+    # the asl page shows the dev run and its choice before any judged record exists
+    text = s.qwen_prefill("asl")
+    assert "L_obs 6) with kernel 17" in text and "from L_min (layer 2 of 6)" in text
+    assert "24 of 50 dev prompts would select at tau 0.3 under the defaults: chosen " \
+           "`rank_from=l_min`." in text
+    assert ("| dev, the defaults | 50 | 0.29 / 0.31 | 0 | 24 (layer 4) | 50 (layer 4) | 50 (layer 4) "
+            "| 50 (layer 4) |") in text
     write([0.29] * 50, skip=16)  # the judged samples are never the dev run
     assert s.main(["--qwen-asl"]) == 2
+
+
+def test_qwen_d2o_shares_and_lava_aggregation_judge_their_declared_pairs(monkeypatch, tmp_path):
+    """D2O's own budgets on Qwen: full from the baselines sweep of the same samples, the
+    declared pairs at 40% and 20% of the context, labelled by share. LAVa on an aggregation
+    task: its own full, partial scores judged paired, only the records at the Qwen kernel."""
+    import json
+
+    s = _qwen_renderer(monkeypatch, tmp_path, "d2o")
+
+    def rec(method, budget, hits, score=1.0, **params):
+        return {"method": method, "budget": budget, "scenario": "question_aware",
+                "samples": 50, "accuracy": hits * score / 50, "seed": 0, "task": "ruler/t",
+                "context_length": 4096, "ruler_skip": 16, "model": "qwen2.5-coder-0.5b",
+                "model_weights": {"sha256": "ab" * 32}, "kv_fraction": 0.3,
+                "method_params": {"budget": budget, **params}, "ttft_s": 1.0,
+                "ttft_own_s": 0.1, "tpot_s": 0.1, "prefill": "shared",
+                "details": [{"score": score * (i < hits)} for i in range(50)]}
+
+    def write(name, recs):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    write("baselines_t_4096.jsonl", [rec("full", None, 50), rec("h2o", 512, 3)])
+    assert s.qwen_more("d2o") == []
+    write("d2o_t_4096.jsonl", [rec(m, b, h) for b in (1638, 819)
+                               for m, h in (("d2o", 40), ("d2o_code", 30), ("h2o", 20),
+                                            ("streaming_llm", 10))])
+    (text,) = s.qwen_more("d2o")
+    got = {(r["a"], r["b"], r["budget"]): r for r in s.REGISTRY}
+    assert set(got) == {(a, b, share) for a, b in s.QWEN_D2O_PAIRS for share in ("40%", "20%")}
+    assert got["d2o", "h2o", "20%"]["a_wins"] == 20  # the same samples, paired
+    assert "| h2o | 512 |" not in text  # the baselines sweep gives full only
+    # LAVa on aggregation: kernel 17 chosen on the dev samples; a kernel-7 record is not read
+    monkeypatch.setattr(s, "qwen_dev_kernel", lambda: (17, "", []))
+    s.REGISTRY.clear()
+    methods = [m for ab in s.QWEN_LAVA_TASK_PAIRS for m in ab]
+    write("lava_t_4096.jsonl", [rec("full", None, 50, 0.6)] + [
+        rec(m, b, 40 if m == "lava" else 30, 0.5, **({"kernel": 17} if m != "full" else {}))
+        for m in dict.fromkeys(methods) if m != "full" for b in (512, 256)]
+        + [rec("lava", 512, 0, kernel=7)])
+    (text,) = s.qwen_more("lava")
+    got = {(r["a"], r["b"], r["budget"]): r for r in s.REGISTRY}
+    k17 = lambda m: m if m == "full" else f"{m}[kernel=17]"  # noqa: E731
+    assert set(got) == {(k17(a), k17(b), x) for a, b in s.QWEN_LAVA_TASK_PAIRS
+                        for x in ("1/8", "1/16")}
+    row = got["lava[kernel=17]", "lava_layers_only[kernel=17]", "1/8"]
+    assert (row["a_acc"], row["b_acc"], row["a_wins"]) == (0.4, 0.3, 10)
+    assert "kernel 7" not in text
 
 
 def test_slimmed_batches_keep_what_a_resume_and_the_pages_read(monkeypatch, tmp_path):
