@@ -543,8 +543,9 @@ def _under_way(pattern: str) -> list[str]:
                 continue
             jobs.setdefault(piece["job"], set()).update(piece["idx"])
         done = min(len(v) for v in jobs.values())
-        going.append(f"`{f.name[:-len('.batches')]}` (under way: {len(jobs)} cells have "
-                     f"begun, the least advanced at {done} of 50 samples)")
+        cells = "1 cell has" if len(jobs) == 1 else f"{len(jobs)} cells have"
+        going.append(f"`{f.name[:-len('.batches')]}` (under way: {cells} begun, the least "
+                     f"advanced at {done} of 50 samples)")
     return going
 
 
@@ -816,7 +817,7 @@ def qwen_prefill(page: str, ctx: int = 4096) -> str | None:
             + (_slim_decode(recs) if page == "sliminfer" else ""))
     dev = qwen_asl_dev(ctx=ctx) if page == "asl" else None
     going = _under_way(f"{prefix}_*_{ctx}.jsonl.batches")
-    if not blocks and not dev:
+    if not blocks and not dev and not going:
         return None
     return ("The methods that change the prefill, on the RULER tasks Qwen2.5-Coder-0.5B's "
             "full cache solves at 4096, rendered by `python scripts/smollm2_results.py` from "

@@ -4,10 +4,15 @@
 # docs/results/qwen2.5-coder-0.5b/, resumable: re-run this script (or one line of it) to
 # finish what a stop cut off; commit the records as they come.
 #   nice bash scripts/sweeps_qwen.sh [SECTION [TASKS]]  # SECTION: baselines (default),
-#       pooling, papers, d2o, aggregation, asl_dev, prefill; TASKS: a comma list of the solved tasks to run, in that order
-#       (default all)
+#       pooling, papers, d2o, aggregation, asl_dev, prefill; TASKS: a comma list of the
+#       solved tasks to run, in that order (default all; aggregation: ruler/cwe)
 # A stopped sweep keeps its finished batches (<records>.jsonl.batches, commit them too) and
 # the re-run continues from the batch it was in, so a task's ~2 h may span sessions.
+#
+# Status (n = 50 a cell, RULER's samples 16-65, 4096 tokens; hours on 2 cores):
+#   niah_multikey_2: baselines 16 cells done; pooling (dev) 8 done; papers 22 done;
+#     asl_dev 1 (~0.5 h), prefill 5 methods (~2 h), d2o 8 (~1.5-2 h) to run;
+#   vt: baselines 2 of 7 batches (~2 h left); cwe: aggregation 14 (~2.5-3 h) to run.
 #
 # The plan, against the cost measured on this machine (2 cores, float32):
 # - the full prefill of a batch of 8 RULER prompts at 4096 tokens: 497 s (62 s a sample,
