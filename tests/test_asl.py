@@ -113,6 +113,25 @@ def test_reference_selection_layer_curve_and_kept_set(pair):
     assert len(seen_layers) >= 2, f"prompts should exit at different layers, saw {seen_layers}"
 
 
+def test_long_prompt_curve_and_kept_set_match_the_reference(pair):
+    """Where the padded prompt is a multiple of 64 tokens (128 or more), the CPU's prompt
+    attention is the tiled one, which in the token-selection prefill skips the key blocks
+    wholly in a query block's future (`ordered`, the keys being the queries' own tokens in
+    slot order): the curve, the selection layer and the kept set still match the
+    reference's, on a prompt of 300 the engine left-pads to 320 (tiles of 64)."""
+    model, cfg, params = pair
+    ids = list(np.random.default_rng(11).integers(3, 97, 300))
+    m = methods.create("asl", **{**KW, "select_k": 60})
+    ref_sel, ref_curve, _ = reference_asl(_hf_attn(model, ids), 60, 8, 7, 0.98, L // 3, 3,
+                                          cfg.group_size)
+    g = engine.run(params, cfg, [ids], m, max_new_tokens=1, stop_ids=())
+    np.testing.assert_allclose(np.array(g.stats["relative_variance"][0][: len(ref_curve)]),
+                               ref_curve, rtol=RTOL, equal_nan=True)
+    assert ref_sel is not None and g.stats["selection_layer"][0] == ref_sel[0]
+    live = np.asarray(g.cache.pos[L - 1, 0, 0])[np.asarray(g.cache.valid[L - 1, 0, 0])]
+    assert list(live) == list(ref_sel[1]) + [len(ids)]
+
+
 @pytest.mark.parametrize("reading", [
     dict(span="equation"), dict(variance="sample", l_obs=8), dict(head_ranking="per_head"),
     dict(rank_from="l_min", l_obs=4), dict(l_obs=8)])
