@@ -1608,22 +1608,18 @@ def main(argv=None) -> int:
                         "chosen on RULER's dev samples (scripts/sweeps_qwen.sh asl_dev), and "
                         "exit; exit 2 before that run is complete")
     a = p.parse_args(argv)
-    if a.qwen_asl:
-        sets, why = qwen_dev_asl()
-        if sets is None:
-            print(f"error: no ASL reading chosen yet: {why} (scripts/sweeps_qwen.sh asl_dev)",
-                  file=sys.stderr)
-            return 2
-        print(sets)
-        return 0
-    if a.qwen_kernel:
-        k, why, _ = qwen_dev_kernel()
-        if k is None:
-            print(f"error: no kernel chosen yet: {why} (scripts/sweeps_qwen.sh pooling)",
-                  file=sys.stderr)
-            return 2
-        print(k)
-        return 0
+    # a choice made on the dev samples, printed for scripts/sweeps_qwen.sh: (value, why,
+    # the section that makes it); None until that section is complete
+    for asked, what, choose, section in ((a.qwen_asl, "ASL reading", qwen_dev_asl, "asl_dev"),
+                                         (a.qwen_kernel, "kernel", qwen_dev_kernel, "pooling")):
+        if asked:
+            value, why = choose()[:2]
+            if value is None:
+                print(f"error: no {what} chosen yet: {why} (scripts/sweeps_qwen.sh {section})",
+                      file=sys.stderr)
+                return 2
+            print(value)
+            return 0
     if a.slim:
         for f in a.slim:
             slim_batches(f) if f.name.endswith(".batches") else slim(f, a.every_method)
