@@ -1610,12 +1610,12 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     # a choice made on the dev samples, printed for scripts/sweeps_qwen.sh: (value, why,
     # the section that makes it); None until that section is complete
-    for asked, what, choose, section in ((a.qwen_asl, "ASL reading", qwen_dev_asl, "asl_dev"),
-                                         (a.qwen_kernel, "kernel", qwen_dev_kernel, "pooling")):
+    for asked, what, choose, part in ((a.qwen_asl, "ASL reading", qwen_dev_asl, "asl_dev"),
+                                      (a.qwen_kernel, "kernel", qwen_dev_kernel, "pooling")):
         if asked:
             value, why = choose()[:2]
             if value is None:
-                print(f"error: no {what} chosen yet: {why} (scripts/sweeps_qwen.sh {section})",
+                print(f"error: no {what} chosen yet: {why} (scripts/sweeps_qwen.sh {part})",
                       file=sys.stderr)
                 return 2
             print(value)
