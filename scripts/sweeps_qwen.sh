@@ -11,8 +11,8 @@
 #
 # Status (n = 50 a cell, RULER's samples 16-65, 4096 tokens; hours on 2 cores):
 #   niah_multikey_2: baselines 16 cells done; pooling (dev) 8 done; papers 22 done;
-#     asl_dev 1 done (30 min); prefill: ASL, FastKV, GemFilter done (~75 min), SlimInfer and
-#     LazyLLM (~1 h) begun 2026-11-28; d2o 8 (~1.5-2 h) to run;
+#     asl_dev 1 done (30 min); prefill 5 done (ASL group ~75 min, SlimInfer/LazyLLM ~55 min);
+#     d2o 8 (~1.5-2 h) to run;
 #   vt: baselines 2 of 7 batches (~2 h left); cwe: aggregation 14 (~2.5-3 h) to run.
 #
 # The plan, against the cost measured on this machine (2 cores, float32):
