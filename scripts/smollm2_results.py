@@ -644,18 +644,19 @@ ASL_QWEN_MIN_SELECT = 25
 
 
 @functools.cache
-def qwen_dev_asl(task: str = "niah_multikey_2", ctx: int = 4096) -> tuple[str | None, str]:
-    """The `--set` arguments of ASL's reading for the Qwen claims ("" for the defaults) and
-    why; (None, why) until the dev run is complete."""
+def qwen_dev_asl(task: str = "niah_multikey_2", ctx: int = 4096) -> tuple[str | None, str,
+                                                                          dict | None]:
+    """The `--set` arguments of ASL's reading for the Qwen claims ("" for the defaults), why,
+    and the dev record; (None, why, None) until the dev run is complete."""
     f = QWEN / f"dev_asl_default_{task}_{ctx}.jsonl"
     r = next((r for r in report.load_records(f) if r["method"] == "asl"
               and r["samples"] >= 50 and r.get("ruler_skip") == QWEN_DEV_SKIP), None) \
         if f.exists() else None
     if r is None:
-        return None, f"{f.relative_to(ROOT)} is not complete"
+        return None, f"{f.relative_to(ROOT)} is not complete", None
     n = int((_first_below(_relvar(r, False), 0.3) >= 0).sum())
     why = f"{n} of {r['samples']} dev prompts would select at tau 0.3 under the defaults"
-    return ("" if n >= ASL_QWEN_MIN_SELECT else "--set asl.rank_from=l_min"), why
+    return ("" if n >= ASL_QWEN_MIN_SELECT else "--set asl.rank_from=l_min"), why, r
 
 
 # scripts/sweeps_qwen.sh papers: each page's methods and declared comparisons ("a", "b"; the
@@ -831,11 +832,10 @@ def qwen_prefill(page: str, ctx: int = 4096) -> str | None:
 def qwen_asl_dev(task: str = "niah_multikey_2", ctx: int = 4096) -> str | None:
     """The dev run that chose ASL's Qwen reading: which prompts each tau would select and
     where (`scripts/sweeps_qwen.sh asl_dev`); None before it is complete."""
-    sets, why = qwen_dev_asl(task, ctx)
+    sets, why, r = qwen_dev_asl(task, ctx)
     if sets is None:
         return None
     f = QWEN / f"dev_asl_default_{task}_{ctx}.jsonl"
-    r = next(r for r in report.load_records(f) if r["method"] == "asl")
     rv = _relvar(r)
     import numpy as np
 
