@@ -549,6 +549,25 @@ def _under_way(pattern: str) -> list[str]:
     return going
 
 
+def _resumes(going: list[str], section: str) -> str:
+    """The unfinished sweeps and the command that resumes them."""
+    return f"{'; '.join(going)} (`nice bash scripts/sweeps_qwen.sh {section}` resumes it)."
+
+
+def _own_and_full(f, prefix: str, keep=lambda r: True) -> tuple[list[dict], object]:
+    """The complete cells (n >= 50) of a Qwen sweep's records `<prefix>_<task>_<ctx>.jsonl`
+    that `keep` passes, each with its file, and full from the baselines sweep of the same
+    samples where the file has none; and that baselines file."""
+    base = f.with_name("baselines_" + f.name[len(prefix) + 1:])
+    recs = [{**r, "_files": [str(f.relative_to(ROOT))]} for r in report.load_records(f)
+            if r["samples"] >= 50 and keep(r)]
+    if base.exists() and "full" not in {r["method"] for r in recs}:
+        recs += [{**r, "_files": [str(base.relative_to(ROOT))]}
+                 for r in report.load_records(base) if r["method"] == "full"
+                 and r["samples"] >= 50]
+    return recs, base
+
+
 def qwen_baselines(ctx: int = 4096) -> str:
     """Qwen2.5-Coder-0.5B's baselines at `ctx` on each RULER task its full cache solves
     (`scripts/sweeps_qwen.sh baselines`): a table and the declared comparisons per task
@@ -702,9 +721,8 @@ def qwen_papers(page: str, ctx: int = 4096) -> str | None:
     going = _under_way(f"papers_*_{ctx}.jsonl.batches")
     more = qwen_more(page, ctx)
     if not blocks:
-        return ("Not measured yet: " + "; ".join(going) + " (`nice bash "
-                "scripts/sweeps_qwen.sh papers ruler/niah_multikey_2` resumes it).") \
-            if going else None
+        return ("Not measured yet: " + _resumes(going, "papers ruler/niah_multikey_2")
+                if going else None)
     return ("The papers' methods on the RULER tasks Qwen2.5-Coder-0.5B's full cache solves "
             "at 4096, at 1/8 and 1/16 of the context, rendered by `python "
             "scripts/smollm2_results.py` from `scripts/sweeps_qwen.sh papers`.\n\n"
@@ -720,14 +738,8 @@ def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 40
     shown = {m for ab in pairs for m in ab}
     blocks = []
     for f in sorted(QWEN.glob(f"{prefix}_*_{ctx}.jsonl")):
-        base = f.with_name("baselines_" + f.name[len(prefix) + 1:])
-        own = [r for r in report.load_records(f) if r["samples"] >= 50]
-        recs = [{**r, "_files": [str(f.relative_to(ROOT))]} for r in own
-                if all(params(r).get(k) == v for k, v in want(r["method"]).items())]
-        if base.exists() and "full" not in {r["method"] for r in recs}:
-            recs += [{**r, "_files": [str(base.relative_to(ROOT))]}
-                     for r in report.load_records(base) if r["method"] == "full"
-                     and r["samples"] >= 50]
+        recs, _ = _own_and_full(f, prefix, lambda r: all(
+            params(r).get(k) == v for k, v in want(r["method"]).items()))
         if not shown <= {r["method"] for r in recs}:
             continue
         skip = recs[0].get("ruler_skip", 0)
@@ -740,8 +752,8 @@ def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 40
             + ".\n\n" + table(recs) + "\n\n"
             + claims(recs, [(a, b, want(a), want(b)) for a, b in pairs], at))
     going = _under_way(f"{prefix}_*_{ctx}.jsonl.batches")
-    return blocks + ([f"{title[0].upper() + title[1:]}: under way: {'; '.join(going)} (`nice "
-                      f"bash scripts/sweeps_qwen.sh {section}` resumes it)."] if going else [])
+    return blocks + ([f"{title[0].upper() + title[1:]}: under way: {_resumes(going, section)}"]
+                     if going else [])
 
 
 # scripts/sweeps_qwen.sh d2o: D2O at the paper's own cache shares (20% and 40% of the prompt)
@@ -789,10 +801,7 @@ def qwen_prefill(page: str, ctx: int = 4096) -> str | None:
     shown = {m for ab in pairs for m in ab}
     blocks = []
     for f in sorted(QWEN.glob(f"{prefix}_*_{ctx}.jsonl")):
-        base = f.with_name("baselines_" + f.name[len(prefix) + 1:])
-        recs = [{**r, "_files": [str(g.relative_to(ROOT))]} for g in (f, base) if g.exists()
-                for r in report.load_records(g) if r["samples"] >= 50
-                and (g == f or r["method"] == "full")]
+        recs, base = _own_and_full(f, prefix)
         if not shown <= {r["method"] for r in recs}:
             continue
         skip = recs[0].get("ruler_skip", 0)
@@ -824,9 +833,9 @@ def qwen_prefill(page: str, ctx: int = 4096) -> str | None:
             "full cache solves at 4096, rendered by `python scripts/smollm2_results.py` from "
             "`scripts/sweeps_qwen.sh prefill`.\n\n"
             + "\n\n".join(([dev] if dev else []) + blocks
-                          + ([("Under way: " if blocks else "Not judged yet: ") + "; ".join(going)
-                              + " (`nice bash scripts/sweeps_qwen.sh prefill "
-                              "ruler/niah_multikey_2` resumes it)."] if going else [])))
+                          + ([("Under way: " if blocks else "Not judged yet: ")
+                              + _resumes(going, "prefill ruler/niah_multikey_2")]
+                             if going else [])))
 
 
 def qwen_asl_dev(task: str = "niah_multikey_2", ctx: int = 4096) -> str | None:

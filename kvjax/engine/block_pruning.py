@@ -47,8 +47,7 @@ def run_stage(params, cfg: ModelConfig, a: int, b: int, x, pos_BS, valid_BS, tai
 
     def attend(p, x, layer):
         q, k, v = transformer.qkv(p, cfg, x, pos_BS)
-        # the keys are the queries' own tokens, kept blocks in their order (positions rise
-        # with the slot): the blocked attention skips each query block's future key blocks
+        # ordered (attention.attend_blocked): kept blocks stay in order, positions rise
         o = attention.attend_prompt(q, k, v, pos_BS, kpos, kvalid,
                                     transformer.layer_window(cfg, layer), attn, ordered=True)
         qt = jnp.take_along_axis(q, tail_Bw[:, :, None, None], axis=1)

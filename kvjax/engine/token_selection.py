@@ -80,9 +80,7 @@ def _prefill_one(m: TokenSelection, params, cfg: ModelConfig, tokens, valid, pos
         l, x, kv, ex, x_sel, idx_sel, relvar, fb, done = c
         p = transformer.layer_slice(params, l)
         q, k, v = transformer.qkv(p, cfg, x, pos)
-        # the keys are the queries' own tokens in slot order, as in the plain prefill: the
-        # blocked attention skips the key blocks wholly in a query block's future (without
-        # it, every layer before the selection cost 1.15x a plain layer at 2048 on SmolLM2)
+        # ordered (attention.attend_blocked): the keys are the queries' own, in slot order
         o = attention.attend_prompt(q, k, v, pos, kpos, kvalid,
                                     transformer.layer_window(cfg, l),
                                     kernels.prompt_attention(q.dtype), ordered=True)
