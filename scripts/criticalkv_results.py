@@ -55,20 +55,15 @@ def run_scenario(a, scenario, out: Path) -> Path:
         "--seed", str(a.seed), "--no-progress"], ROOT)
 
 
-def perturbation(model, name: str, budget: int, ctx: list[int], question: list[int],
-                 window: int, sets: dict | None = None) -> np.ndarray:
-    """[2, L]: per layer, the sum over a set of queries of ||(o - o_hat) W_O||_1 (jnp, fp32),
-    o over every key before the query, o_hat over the kept context entries (the cache after
-    compressing `ctx` alone) and every question key before it. Row 0: the last `window`
-    context queries, the ones the base method scored (in-sample). Row 1: the question's
-    queries, appended after compression as in the context-only scenario (out-of-sample,
-    like the paper's first decoded token). Hidden states come from the full cache, so each
-    layer's number is its own perturbation, not an accumulated one."""
-    cfg, params = model.cfg, model.params
+def kept(model, name: str, budget: int, ctx: list[int], nq: int,
+         sets: dict | None = None) -> np.ndarray:
+    """[L, K, n + nq] bool: the context entries `name` keeps after compressing `ctx` alone
+    (context-only), and every one of the `nq` question entries appended after it."""
+    cfg = model.cfg
     m = methods.create(name, budget=budget, **(sets or {}))
-    n, nq = len(ctx), len(question)
+    n = len(ctx)
     tokens, valid = engine.pad_left([ctx], n, cfg.pad_token_id)
-    _, cache, _, _ = engine.prefill(params, tokens, valid, cfg=cfg, method=m,
+    _, cache, _, _ = engine.prefill(model.params, tokens, valid, cfg=cfg, method=m,
                                     capacity=m.cache_slots(n, cfg))
     keep = np.zeros((cfg.num_layers, cfg.num_kv_heads, n + nq), bool)
     keep[..., n:] = True
@@ -76,11 +71,25 @@ def perturbation(model, name: str, budget: int, ctx: list[int], question: list[i
     for layer in range(cfg.num_layers):
         for h in range(cfg.num_kv_heads):
             keep[layer, h, pos[layer, h][live[layer, h]]] = True
-    keep = jnp.asarray(keep)
+    return keep
+
+
+def perturbation(model, keep_MLKN: np.ndarray, ctx: list[int], question: list[int],
+                 window: int) -> np.ndarray:
+    """[M, 2, L]: for each of M kept sets (`kept`), per layer, the sum over a set of queries
+    of ||(o - o_hat) W_O||_1 (jnp, fp32), o over every key before the query, o_hat over the
+    kept entries before it. Row 0: the last `window` context queries, the ones the base
+    method scored (in-sample). Row 1: the question's queries, appended after compression as
+    in the context-only scenario (out-of-sample, like the paper's first decoded token).
+    Hidden states come from the full cache, so each layer's number is its own
+    perturbation, not an accumulated one; one prefill serves all M sets."""
+    cfg, params = model.cfg, model.params
+    n, nq = len(ctx), len(question)
+    keep = jnp.asarray(keep_MLKN)
     tokens, valid = engine.pad_left([ctx + question], n + nq, cfg.pad_token_id)
     pos_BT = engine.positions(valid, jnp.zeros((1,), jnp.int32))
 
-    def loss(io, rows):
+    def loss(io, rows):  # [M]
         q = io.q[0, rows]  # [r, H, Dh]
         k, v = io.k[0], io.v[0]  # [K, n + nq, Dh]
         H, Dh = q.shape[1], q.shape[2]
@@ -88,22 +97,24 @@ def perturbation(model, name: str, budget: int, ctx: list[int], question: list[i
         kh, vh = jnp.repeat(k, G, 0), jnp.repeat(v, G, 0)  # [H, n + nq, Dh]
         lg = jnp.einsum("thd,hnd->htn", q, kh) / np.sqrt(Dh)
         causal = jnp.arange(n + nq)[None, :] <= rows[:, None]  # [r, n + nq]
-        kp = jnp.repeat(keep[io.layer], G, 0)[:, None, :] & causal[None]
         full = jax.nn.softmax(jnp.where(causal[None], lg, -jnp.inf), -1)
-        hat = jax.nn.softmax(jnp.where(kp, lg, -jnp.inf), -1)
-        d = jnp.einsum("htn,hnd->htd", full - hat, vh)  # [H, r, Dh]
-        return jnp.sum(jnp.abs(jnp.einsum("htd,hde->hte", d, io.wo.reshape(H, Dh, -1))))
+        kp = jnp.repeat(keep[:, io.layer], G, 1)[:, :, None, :] & causal[None, None]
+        hat = jax.nn.softmax(jnp.where(kp, lg[None], -jnp.inf), -1)  # [M, H, r, n + nq]
+        d = jnp.einsum("mhtn,hnd->mhtd", full[None] - hat, vh)
+        return jnp.sum(jnp.abs(jnp.einsum("mhtd,hde->mhte", d, io.wo.reshape(H, Dh, -1))),
+                       (1, 2, 3))
 
     def hook(io, st):
         return jnp.stack([loss(io, jnp.arange(n - window, n)),
-                          loss(io, jnp.arange(n, n + nq))]), st
+                          loss(io, jnp.arange(n, n + nq))], 1), st
 
     _, out, _ = layers.prefill_layers(params, cfg, tokens, valid, pos_BT, hook, None)
-    return np.asarray(out).T
+    return np.asarray(out).transpose(1, 2, 0)  # [L, M, 2] -> [M, 2, L]
 
 
 def perturbation_records(a) -> None:
-    """--perturb-only: one JSON line per (base, budget, sample) appended to the file."""
+    """--perturb-only: one JSON line per (base, budget, sample) appended to the file; one
+    prefill per sample measures every base, critical form and budget."""
     import dataclasses
 
     from kvjax.models.checkpoint import provenance
@@ -112,27 +123,36 @@ def perturbation_records(a) -> None:
     model = load(a.model)
     samples = tasks.generate(a.perturb_task, a.context, n=a.perturb_samples, seed=a.seed)
     done = report.load_records(a.perturb_only) if a.perturb_only.exists() else []
-    pairs = [p for p in PAIRS if p[0] in a.pairs.split(",")]
-    for base, crit in pairs:
+    units = []  # (base, critical, budget, the base's --set values, its window)
+    for base, crit in (p for p in PAIRS if p[0] in a.pairs.split(",")):
         fields = {f.name for f in dataclasses.fields(methods.get(base))}
         sets = {k: v for k, v in overrides(a.set).items() if k in fields}
-        w = methods.create(base).window
-        for budget in [int(b) for b in a.perturb_budgets.split(",")]:
-            for i, smp in enumerate(samples):
-                key = dict(base=base, critical=crit, budget=budget, sample=i, set=sets,
-                           task=a.perturb_task, context=a.context, seed=a.seed)
-                if any(all(r.get(k) == v for k, v in key.items()) for r in done):
-                    continue
-                ctx, q = model.encode(smp.context), model.encode(smp.question, bos=False)
-                eb = perturbation(model, base, budget, ctx, q, w, sets)
-                ec = perturbation(model, crit, budget, ctx, q, w, sets)
+        w = methods.create(base, **sets).window
+        units += [(base, crit, int(b), sets, w) for b in a.perturb_budgets.split(",")]
+    for i, smp in enumerate(samples):
+        # the sample count is part of the key: the task spreads needle depths over it
+        keys = [dict(base=b, critical=c, budget=bu, sample=i, samples=a.perturb_samples,
+                     set=st, task=a.perturb_task, context=a.context, seed=a.seed)
+                for b, c, bu, st, _ in units]
+        todo = [(u, key) for u, key in zip(units, keys)
+                if not any(all(r.get(k) == v for k, v in key.items()) for r in done)]
+        if not todo:
+            continue
+        ctx, q = model.encode(smp.context), model.encode(smp.question, bos=False)
+        for w in {u[4] for u, _ in todo}:  # the window's queries are the base's: a prefill each
+            mine = [(u, key) for u, key in todo if u[4] == w]
+            e = perturbation(model, np.stack([kept(model, m, bu, ctx, len(q), st)
+                                              for (b, c, bu, st, _), _ in mine
+                                              for m in (b, c)]), ctx, q, w)
+            for j, ((b, c, bu, st, _), key) in enumerate(mine):
+                eb, ec = e[2 * j], e[2 * j + 1]
                 rec = {**key, "model": model.name, "model_weights": provenance(model.path),
-                       **{f"{row}_{m}": [float(x) for x in e[j]] for j, row in
-                          enumerate(("window", "question")) for m, e in (("base", eb),
-                                                                         ("critical", ec))}}
+                       **{f"{row}_{m}": [float(x) for x in ee[r]] for r, row in
+                          enumerate(("window", "question")) for m, ee in (("base", eb),
+                                                                          ("critical", ec))}}
                 with open(a.perturb_only, "a") as f:
                     f.write(json.dumps(rec) + "\n")
-                print(base, budget, i, eb.sum(1), ec.sum(1), file=sys.stderr, flush=True)
+                print(b, bu, i, eb.sum(1), ec.sum(1), file=sys.stderr, flush=True)
 
 
 def perturbation_table(a) -> str:
@@ -148,8 +168,10 @@ def perturbation_table(a) -> str:
             ec = np.zeros((2, model.cfg.num_layers))
             for s in samples:
                 ctx, q = model.encode(s.context), model.encode(s.question, bos=False)
-                eb += perturbation(model, base, budget, ctx, q, w) / len(samples)
-                ec += perturbation(model, crit, budget, ctx, q, w) / len(samples)
+                e = perturbation(model, np.stack([kept(model, m, budget, ctx, len(q))
+                                                  for m in (base, crit)]), ctx, q, w)
+                eb += e[0] / len(samples)
+                ec += e[1] / len(samples)
             for layer in range(eb.shape[1]):
                 cells = [f"{eb[i, layer]:.3g} | {ec[i, layer]:.3g} | "
                          f"{'yes' if ec[i, layer] < eb[i, layer] else 'no'}" for i in (0, 1)]

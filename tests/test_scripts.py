@@ -277,3 +277,44 @@ def test_slimmed_batches_keep_what_a_resume_and_the_pages_read(monkeypatch, tmp_
     assert got["piece"]["samples"] == [[0, {"score": 1.0, "layer_totals": [8, 8], "x": 1}]]
     assert {k: v for k, v in got["piece"].items() if k not in ("extra", "samples")} == \
         {"budget": 4, "ttft": 1.0}
+
+
+def test_perturbation_measures_several_kept_sets_in_one_prefill(monkeypatch, tmp_path):
+    """CriticalKV's output perturbation (scripts/criticalkv_results.py): the sets measured
+    together give each set's own numbers (one set alone, recomputed), every entry kept gives
+    0, and a resumed file skips only the samples of the same sample count (the task spreads
+    the needle depths over the count, so sample i of 2 is not sample i of 3)."""
+    import json
+
+    import numpy as np
+
+    monkeypatch.syspath_prepend(str(SCRIPTS[0].parent))
+    import criticalkv_results as ck
+
+    from kvjax import tasks
+    from kvjax.api import load
+
+    m = load("tiny-retrieval")
+    s = tasks.generate("niah_single", 256, n=1, seed=0)[0]
+    ctx, q = m.encode(s.context), m.encode(s.question, bos=False)
+    sets = [ck.kept(m, name, 24, ctx, len(q), {"window": 8})
+            for name in ("snapkv", "critical_snapkv")]
+    every = np.ones_like(sets[0])
+    both = ck.perturbation(m, np.stack(sets + [every]), ctx, q, 8)
+    assert both.shape == (3, 2, m.cfg.num_layers)
+    assert not np.array_equal(sets[0], sets[1]) and (both[:2] > 0).all()
+    np.testing.assert_allclose(ck.perturbation(m, sets[1][None], ctx, q, 8)[0], both[1],
+                               rtol=1e-5)  # float32 sums of the same terms
+    assert np.abs(both[2]).max() <= 1e-3 * both[:2].max()  # the full softmax twice
+
+    f = tmp_path / "p.jsonl"
+    args = ["--model", "tiny-retrieval", "--perturb-only", str(f), "--perturb-task",
+            "niah_single", "--context", "256", "--pairs", "snapkv", "--perturb-budgets", "24",
+            "--set", "window=8"]
+    ck.main(args + ["--perturb-samples", "2"])
+    ck.main(args + ["--perturb-samples", "2"])  # resumed: nothing to do
+    ck.main(args + ["--perturb-samples", "3"])
+    recs = [json.loads(line) for line in f.read_text().splitlines()]
+    assert [(r["samples"], r["sample"]) for r in recs] == [(2, 0), (2, 1), (3, 0), (3, 1),
+                                                           (3, 2)]
+    assert len(recs[0]["question_base"]) == m.cfg.num_layers

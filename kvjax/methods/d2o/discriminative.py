@@ -343,7 +343,10 @@ class D2O(DecodeEviction):
             return (LayerKV(gk, gv, g.pos, g.valid), a, tau, nm,
                     jnp.sum(gone, axis=(-1, -2)) - nm)
 
-        g, a, tau, nm, nd = jax.vmap(layer)(kv.k, kv.v, kv.pos, kv.valid, acc, s_LB, m_LB)
+        # one layer at a time (lax.map, not vmap): each holds [B, K, T, S] similarities, so
+        # all at once were L times that (20 GB for Qwen2.5-0.5B at B 8, T 4096, 40% kept)
+        g, a, tau, nm, nd = jax.lax.map(lambda xs: layer(*xs),
+                                        (kv.k, kv.v, kv.pos, kv.valid, acc, s_LB, m_LB))
         state = {"acc": a, "tau": tau, "budget": s_LB, "recent": m_LB, "whole": whole,
                  "merges": z, "discards": z}
         live = jnp.sum(g.valid, axis=-1, dtype=jnp.int32)
