@@ -745,12 +745,14 @@ def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 40
         skip = recs[0].get("ruler_skip", 0)
         blocks.append(
             f"#### {recs[0]['task']}, {title}\n\nRULER's samples {skip}-{skip + 49}, plain "
-            f"prompts, {ctx} tokens, question-aware, seed {recs[0]['seed']}; "
+            f"prompts, {ctx} tokens, {recs[0]['scenario'].replace('_', '-')}, "
+            f"seed {recs[0]['seed']}; "
             f"{report.model_line(recs)}; one shared prefill; budgets "
             f"{' and '.join(f'{b} ({x})' for b, x in at)} entries a layer and KV head. "
             f"Records: " + " and ".join(sorted({f"`{g}`" for r in recs for g in r["_files"]}))
             + ".\n\n" + table(recs) + "\n\n"
-            + claims(recs, [(a, b, want(a), want(b)) for a, b in pairs], at))
+            + claims(recs, [(a, b, want(a), want(b)) for a, b in pairs], at,
+                     recs[0]["scenario"]))
     going = _under_way(f"{prefix}_*_{ctx}.jsonl.batches")
     return blocks + ([f"{title[0].upper() + title[1:]}: under way: {_resumes(going, section)}"]
                      if going else [])
@@ -769,8 +771,21 @@ QWEN_LAVA_TASK_PAIRS = QWEN_PAPER_PAIRS["lava"] + [("lava", "lava_heads_only"),
                                                    ("lava", "lava_layers_only")]
 
 
+# scripts/sweeps_qwen.sh critical_co: CriticalKV in its paper's setting, context-only (the
+# context compressed before the question is seen), at budgets where SmolLM2's Ada-SnapKV left
+# the floor (1/2 and 2/5 of the context); kernel as chosen on the dev samples
+QWEN_CRITICAL_CO_PAIRS = [("critical_snapkv", "snapkv"), ("critical_adakv", "ada_snapkv")]
+QWEN_CRITICAL_CO_AT = ((2048, "1/2"), (1638, "2/5"))  # of 4096
+
+
 def qwen_more(page: str, ctx: int = 4096) -> list[str]:
-    """The Qwen blocks beyond the papers sweep: D2O at its own budgets, LAVa on aggregation."""
+    """The Qwen blocks beyond the papers sweep: D2O at its own budgets, LAVa on aggregation,
+    CriticalKV context-only."""
+    if page == "criticalkv":
+        k = qwen_dev_kernel()[0]
+        return _qwen_blocks("critical_co", QWEN_CRITICAL_CO_PAIRS, QWEN_CRITICAL_CO_AT,
+                            "context-only (CriticalKV's setting)", "critical_co", ctx,
+                            lambda m: {"kernel": k} if m in KERNELED else {})
     if page == "d2o":
         return _qwen_blocks("d2o", QWEN_D2O_PAIRS, QWEN_D2O_AT,
                             "40% and 20% of the context (D2O's own budgets)", "d2o", ctx)

@@ -4,7 +4,7 @@
 # docs/results/qwen2.5-coder-0.5b/, resumable: re-run this script (or one line of it) to
 # finish what a stop cut off; commit the records as they come.
 #   nice bash scripts/sweeps_qwen.sh [SECTION [TASKS]]  # SECTION: baselines (default),
-#       pooling, papers, d2o, aggregation, asl_dev, prefill; TASKS: a comma list of the
+#       pooling, papers, d2o, aggregation, critical_co, asl_dev, prefill; TASKS: a comma list of the
 #       solved tasks to run, in that order (default all; aggregation: ruler/cwe)
 # A stopped sweep keeps its finished batches (<records>.jsonl.batches, commit them too) and
 # the re-run continues from the batch it was in, so a task's ~2 h may span sessions.
@@ -12,7 +12,7 @@
 # Status (n = 50 a cell, RULER's samples 16-65, 4096 tokens; hours on 2 cores):
 #   niah_multikey_2: baselines 16 cells done; pooling (dev) 8 done; papers 22 done;
 #     asl_dev 1 done (30 min); prefill 5 done (ASL group ~75 min, SlimInfer/LazyLLM ~55 min);
-#     d2o 8 (~1.5-2 h) to run;
+#     d2o 8 (~1.5-2 h) run 2026-11-28; critical_co 8 (~1.5 h) to run;
 #   vt: baselines 2 of 7 batches (~2 h left); cwe: aggregation 14 (~2.5-3 h) to run.
 #
 # The plan, against the cost measured on this machine (2 cores, float32):
@@ -57,6 +57,12 @@
 #   at 1/8 and 1/16, kernel as chosen: one shared prefill (~60 min) and 14 cells of ~8 min
 #   (cwe writes up to 120 tokens): ~2.5-3 h. Declared (QWEN_LAVA_TASK_PAIRS): as papers'
 #   LAVa pairs, and LAVa better than each ablation.
+# - critical_co: CriticalKV in its paper's setting, context-only (the context compressed before
+#   the question is seen), at 1/2 and 2/5 of the context (2048 and 1638), where SmolLM2's
+#   Ada-SnapKV left the floor it sits on at 1/4 and 1/8: SnapKV, Ada-SnapKV and their critical
+#   forms at the kernel chosen, one shared prefill (~40 min) and 8 cells of ~6 min: ~1.5 h.
+#   Declared (QWEN_CRITICAL_CO_PAIRS): critical_snapkv better than SnapKV, critical_adakv
+#   better than Ada-SnapKV.
 # - asl_dev: ASL's relative rank variance on the dev samples at tau = 1e-6 (never selects),
 #   its own prefill, ~50 min; the rule that reads it (`smollm2_results.py --qwen-asl`,
 #   declared before it ran): the defaults if >= 25 of 50 prompts select at tau 0.3, else
@@ -145,6 +151,12 @@ case "${1:-baselines}" in
     for t in ${T//,/ }; do
       run "lava_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512,256 --method "$M" "${SETS[@]}"
     done ;;
+  critical_co)
+    K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
+    for t in ${TASKS//,/ }; do
+      run "critical_co_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 2048,1638 --scenario context_only \
+        --method snapkv,ada_snapkv,critical_snapkv,critical_adakv --set kernel=$K
+    done ;;
   asl_dev)  # ASL's relative rank variance on the dev samples, tau = 1e-6: it never selects,
     # so every layer's value is recorded and the prompts any tau would select follow from it;
     # the paper's code's reading (ranks from layer 0). `--qwen-asl` reads it for prefill.
@@ -161,5 +173,5 @@ case "${1:-baselines}" in
         --set asl.kernel=$K --set fastkv.kernel=$K --set gemfilter.kernel=$K $A
       run "prefill_slim_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 256 --method sliminfer,lazyllm
     done ;;
-  *) echo "unknown section $1: baselines, pooling, papers, d2o, aggregation, asl_dev or prefill" >&2; exit 2 ;;
+  *) echo "unknown section $1: baselines, pooling, papers, d2o, aggregation, critical_co, asl_dev or prefill" >&2; exit 2 ;;
 esac

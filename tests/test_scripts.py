@@ -216,7 +216,8 @@ def test_qwen_asl_reading_is_chosen_on_the_dev_run_by_the_declared_rule(monkeypa
 def test_qwen_d2o_shares_and_lava_aggregation_judge_their_declared_pairs(monkeypatch, tmp_path):
     """D2O's own budgets on Qwen: full from the baselines sweep of the same samples, the
     declared pairs at 40% and 20% of the context, labelled by share. LAVa on an aggregation
-    task: its own full, partial scores judged paired, only the records at the Qwen kernel."""
+    task: its own full, partial scores judged paired, only the records at the Qwen kernel.
+    CriticalKV context-only: the records' scenario, not full's."""
     import json
 
     s = _qwen_renderer(monkeypatch, tmp_path, "d2o")
@@ -259,6 +260,18 @@ def test_qwen_d2o_shares_and_lava_aggregation_judge_their_declared_pairs(monkeyp
     row = got["lava[kernel=17]", "lava_layers_only[kernel=17]", "1/8"]
     assert (row["a_acc"], row["b_acc"], row["a_wins"]) == (0.4, 0.3, 10)
     assert "kernel 7" not in text
+    # CriticalKV context-only: its scenario named, its pairs at 1/2 and 2/5
+    s.REGISTRY.clear()
+    write("critical_co_t_4096.jsonl", [
+        {**rec(m, b, h, kernel=17), "scenario": "context_only"} for b in (2048, 1638)
+        for m, h in (("snapkv", 10), ("critical_snapkv", 14), ("ada_snapkv", 20),
+                     ("critical_adakv", 24))])
+    (text,) = s.qwen_more("criticalkv")
+    got = {(r["a"], r["b"], r["budget"]): r for r in s.REGISTRY}
+    assert set(got) == {(k17(a), k17(b), x) for a, b in s.QWEN_CRITICAL_CO_PAIRS
+                        for x in ("1/2", "2/5")}
+    assert got["critical_adakv[kernel=17]", "ada_snapkv[kernel=17]", "2/5"]["a_wins"] == 4
+    assert "context-only, seed" in text
 
 
 def test_slimmed_batches_keep_what_a_resume_and_the_pages_read(monkeypatch, tmp_path):
