@@ -58,13 +58,15 @@ def run_scenario(a, scenario, out: Path) -> Path:
 def kept(model, name: str, budget: int, ctx: list[int], nq: int,
          sets: dict | None = None) -> np.ndarray:
     """[L, K, n + nq] bool: the context entries `name` keeps after compressing `ctx` alone
-    (context-only), and every one of the `nq` question entries appended after it."""
+    (context-only), and every one of the `nq` question entries appended after it. The
+    context is left-padded to its length bucket, as a sweep runs it (one compiled program
+    per bucket, not per prompt length)."""
     cfg = model.cfg
     m = methods.create(name, budget=budget, **(sets or {}))
     n = len(ctx)
-    tokens, valid = engine.pad_left([ctx], n, cfg.pad_token_id)
+    tokens, valid = engine.pad_left([ctx], engine.bucket(n), cfg.pad_token_id)
     _, cache, _, _ = engine.prefill(model.params, tokens, valid, cfg=cfg, method=m,
-                                    capacity=m.cache_slots(n, cfg))
+                                    capacity=m.cache_slots(tokens.shape[1], cfg))
     keep = np.zeros((cfg.num_layers, cfg.num_kv_heads, n + nq), bool)
     keep[..., n:] = True
     pos, live = np.asarray(cache.pos[:, 0]), np.asarray(cache.valid[:, 0])
@@ -82,31 +84,35 @@ def perturbation(model, keep_MLKN: np.ndarray, ctx: list[int], question: list[in
     method scored (in-sample). Row 1: the question's queries, appended after compression as
     in the context-only scenario (out-of-sample, like the paper's first decoded token).
     Hidden states come from the full cache, so each layer's number is its own
-    perturbation, not an accumulated one; one prefill serves all M sets."""
+    perturbation, not an accumulated one; one prefill serves all M sets, the prompt
+    left-padded to its length bucket (P slots of padding, attended by no query)."""
     cfg, params = model.cfg, model.params
     n, nq = len(ctx), len(question)
-    keep = jnp.asarray(keep_MLKN)
-    tokens, valid = engine.pad_left([ctx + question], n + nq, cfg.pad_token_id)
+    T = engine.bucket(n + nq)
+    P = T - n - nq
+    keep = jnp.pad(jnp.asarray(keep_MLKN), [(0, 0)] * 3 + [(P, 0)])  # [M, L, K, T]
+    tokens, valid = engine.pad_left([ctx + question], T, cfg.pad_token_id)
     pos_BT = engine.positions(valid, jnp.zeros((1,), jnp.int32))
 
     def loss(io, rows):  # [M]
         q = io.q[0, rows]  # [r, H, Dh]
-        k, v = io.k[0], io.v[0]  # [K, n + nq, Dh]
+        k, v = io.k[0], io.v[0]  # [K, T, Dh]
         H, Dh = q.shape[1], q.shape[2]
         G = H // k.shape[0]
-        kh, vh = jnp.repeat(k, G, 0), jnp.repeat(v, G, 0)  # [H, n + nq, Dh]
+        kh, vh = jnp.repeat(k, G, 0), jnp.repeat(v, G, 0)  # [H, T, Dh]
         lg = jnp.einsum("thd,hnd->htn", q, kh) / np.sqrt(Dh)
-        causal = jnp.arange(n + nq)[None, :] <= rows[:, None]  # [r, n + nq]
+        slot = jnp.arange(T)[None, :]
+        causal = (slot <= rows[:, None]) & (slot >= P)  # [r, T]
         full = jax.nn.softmax(jnp.where(causal[None], lg, -jnp.inf), -1)
         kp = jnp.repeat(keep[:, io.layer], G, 1)[:, :, None, :] & causal[None, None]
-        hat = jax.nn.softmax(jnp.where(kp, lg[None], -jnp.inf), -1)  # [M, H, r, n + nq]
+        hat = jax.nn.softmax(jnp.where(kp, lg[None], -jnp.inf), -1)  # [M, H, r, T]
         d = jnp.einsum("mhtn,hnd->mhtd", full[None] - hat, vh)
         return jnp.sum(jnp.abs(jnp.einsum("mhtd,hde->mhte", d, io.wo.reshape(H, Dh, -1))),
                        (1, 2, 3))
 
     def hook(io, st):
-        return jnp.stack([loss(io, jnp.arange(n - window, n)),
-                          loss(io, jnp.arange(n, n + nq))], 1), st
+        return jnp.stack([loss(io, P + jnp.arange(n - window, n)),
+                          loss(io, P + jnp.arange(n, n + nq))], 1), st
 
     _, out, _ = layers.prefill_layers(params, cfg, tokens, valid, pos_BT, hook, None)
     return np.asarray(out).transpose(1, 2, 0)  # [L, M, 2] -> [M, 2, L]
