@@ -783,9 +783,11 @@ def qwen_more(page: str, ctx: int = 4096) -> list[str]:
     CriticalKV context-only."""
     if page == "criticalkv":
         k = qwen_dev_kernel()[0]
+        pert = perturbation(QWEN)
         return _qwen_blocks("critical_co", QWEN_CRITICAL_CO_PAIRS, QWEN_CRITICAL_CO_AT,
                             "context-only (CriticalKV's setting)", "critical_co", ctx,
-                            lambda m: {"kernel": k} if m in KERNELED else {})
+                            lambda m: {"kernel": k} if m in KERNELED else {}) + (
+            [f"#### Output perturbation\n\n{pert}"] if pert else [])
     if page == "d2o":
         return _qwen_blocks("d2o", QWEN_D2O_PAIRS, QWEN_D2O_AT,
                             "40% and 20% of the context (D2O's own budgets)", "d2o", ctx)
@@ -1015,16 +1017,17 @@ def criticalkv(ctx: int) -> str | None:
     return out
 
 
-def perturbation() -> str | None:
-    """CriticalKV's output perturbation (critical_perturb_<ctx>.jsonl): per base and budget,
-    the per-sample sums over layers under both selections, their paired difference with a
-    95% t-interval over samples, and the layers where the critical form's mean is lower."""
+def perturbation(folder=RECORDS) -> str | None:
+    """CriticalKV's output perturbation (`folder`/critical_perturb_<ctx>.jsonl): per base
+    and budget, the per-sample sums over layers under both selections, their paired
+    difference with a 95% t-interval over samples, and the layers where the critical form's
+    mean is lower."""
     import numpy as np
 
     from kvjax import claims as cl
 
     blocks = []
-    for f in sorted(RECORDS.glob("critical_perturb_*.jsonl")):
+    for f in sorted(folder.glob("critical_perturb_*.jsonl")):
         recs = report.load_records(f)
         if not recs:
             continue
@@ -1053,9 +1056,9 @@ def perturbation() -> str | None:
             f"{r0['task']}, {r0['context']} tokens, context-only (the paper's setting), "
             "methods at their defaults"
             + "".join(f", {k}={v}" for k, v in r0["set"].items())
-            + f"; docs/results/smollm2/{f.name} "
-            "(`python scripts/criticalkv_results.py --model smollm2-135m --perturb-only "
-            f"docs/results/smollm2/{f.name} --perturb-task {r0['task']} --context "
+            + f"; {report.model_line(recs)}; {f.relative_to(ROOT)} "
+            f"(`python scripts/criticalkv_results.py --model {r0['model']} --perturb-only "
+            f"{f.relative_to(ROOT)} --perturb-task {r0['task']} --context "
             f"{r0['context']} --pairs {','.join(dict.fromkeys(r['base'] for r in recs))} "
             f"--perturb-budgets {','.join(str(x) for x in dict.fromkeys(r['budget'] for r in recs))} "
             f"--perturb-samples {1 + max(r['sample'] for r in recs)}"
