@@ -358,7 +358,27 @@ def test_invariants(pair, runs):
 
 
 def executables():
-    return len(engine.executables._EXECUTABLES)
+    return set(engine.executables._EXECUTABLES)
+
+
+def new_programs(before) -> list[str]:
+    """The programs compiled since `before` (`executables()`), by name, except the decode
+    steps that differ from one compiled before only in how many revived rows they compute
+    (`swap.revived_rows`: a few bucketed sizes, each compiled once)."""
+    def shapes(key):
+        return key[:3], [s for s, _, _ in key[3]]
+
+    out = []
+    for k in executables() - before:
+        (fn, static, tree), sh = shapes(k)
+        rows_only = fn is engine.steps.decode_segment and any(
+            (fn, static, tree) == o[:3] and len(sh) == len(so) and sum(
+                a != b for a, b in zip(sh, so)) == 1 and all(
+                a[:-1] == b[:-1] for a, b in zip(sh, so) if a != b)
+            for o in before for so in [shapes(o)[1]])
+        if not rows_only:
+            out.append(fn.__name__)
+    return out
 
 
 def test_gamma_extremes_and_restrict(pair, runs):
@@ -368,7 +388,7 @@ def test_gamma_extremes_and_restrict(pair, runs):
     g1 = engine.run(params, cfg, ids, slim(gamma=1.0), max_new_tokens=NEW, stop_ids=())
     g0 = engine.run(params, cfg, ids, slim(gamma=0.0), max_new_tokens=NEW, stop_ids=())
     gr = engine.run(params, cfg, ids, slim(decode="restrict"), max_new_tokens=NEW, stop_ids=())
-    assert executables() == before, "gamma / decode variants reuse the compiled prefill and step"
+    assert new_programs(before) == [], "gamma / decode variants reuse the compiled prefill and step"
     # gamma = 1: the active set is the previous step's candidate set, changing only when they do
     hist = g1.state.history
     cands = g1.state.cand_history
@@ -395,7 +415,7 @@ def test_one_compilation_across_steps_and_prompts(pair, runs):
     _, cfg, params = pair
     before = executables()
     g = engine.run(params, cfg, batch((6, 7, 8)), slim(), max_new_tokens=NEW, stop_ids=())
-    assert executables() == before and g.stats["decode_steps"] == [NEW] * 3
+    assert new_programs(before) == [] and g.stats["decode_steps"] == [NEW] * 3
     _COMPILES.clear()
     again = engine.run(params, cfg, batch((6, 7, 8)), slim(), max_new_tokens=NEW, stop_ids=())
     assert _COMPILES == [] and again.tokens == g.tokens
@@ -435,7 +455,7 @@ def test_context_only(pair, runs):
     before = executables()
     co = engine.run(params, cfg, ctx, slim(), questions=questions, max_new_tokens=NEW - 6,
                     stop_ids=())
-    assert executables() == before + 1  # the question chunk's extend only
+    assert new_programs(before) == ["extend"]  # the question chunk's extend only
     assert [len(t) for t in co.tokens] == [NEW - 6] * 3
     assert co.stats["decode_steps"] == [NEW - 6] * 3
     for i, c in enumerate(ctx):

@@ -292,9 +292,10 @@ def host_decode(params, cfg: ModelConfig, cache, logits_BV, rng, state, *, metho
     spans = tuple(zip(bounds[:-1], bounds[1:]))
     static = dict(cfg=cfg, method=method, sampling=sampling, stop_ids=stop_ids, kernels=kernels)
     used: set = set()
-    # each segment's program, compiled at its first call: the shapes it sees are the same
-    # at every step (a fixed-capacity cache), so the loop only calls executables
-    segments: list = [None] * len(spans)
+    # each segment's program, compiled at its first call with a state of those shapes: the
+    # cache's are the same at every step (a fixed capacity); a method's state may take a
+    # few shapes (SlimInfer's revived rows, bucketed), each compiled once
+    segments: dict = {}
     out = np.full((B, max_new), cfg.pad_token_id, np.int32)
     n = np.zeros(B, np.int64)
     done = np.zeros(B, bool)
@@ -305,12 +306,13 @@ def host_decode(params, cfg: ModelConfig, cache, logits_BV, rng, state, *, metho
         for i, span in enumerate(spans):
             if i:
                 cache, state = method.between_segments(host, i - 1, cache, state, done)
-            if segments[i] is None:
-                segments[i], c, u = compile_once(decode_segment, (params, cache, carry, state),
-                                                 span=span, **static)
+            key = (i, tuple(getattr(x, "shape", None) for x in jax.tree.leaves(state)))
+            if key not in segments:
+                segments[key], c, u = compile_once(decode_segment, (params, cache, carry, state),
+                                                   span=span, **static)
                 compile_s, used = compile_s + c, used | u
                 t0 += c  # compilation is reported apart from the decode time
-            carry, cache, state = segments[i](params, cache, carry, state)
+            carry, cache, state = segments[key](params, cache, carry, state)
         logits_BV, rng = carry["logits"], carry["rng"]
         tok, stopped = np.asarray(carry["tok"]), np.asarray(carry["stopped"])
         out[:, t] = tok
