@@ -1032,6 +1032,11 @@ def perturbation(folder=RECORDS) -> str | None:
         if not recs:
             continue
         r0 = recs[0]
+        # records since 2026-11-28 hold their run's sample count (the task spreads the
+        # needle depths over it): a run cut short says how far it got
+        done = len({r["sample"] for r in recs})
+        short = (f" Under way: {done} of {r0['samples']} samples (the command resumes it)."
+                 if done < r0.get("samples", done) else "")
         rows = ["| base | budget | queries | samples | base: sum over layers | critical | "
                 "critical / base | layers lower |", "|---" * 8 + "|"]
         ids = []
@@ -1061,9 +1066,9 @@ def perturbation(folder=RECORDS) -> str | None:
             f"{f.relative_to(ROOT)} --perturb-task {r0['task']} --context "
             f"{r0['context']} --pairs {','.join(dict.fromkeys(r['base'] for r in recs))} "
             f"--perturb-budgets {','.join(str(x) for x in dict.fromkeys(r['budget'] for r in recs))} "
-            f"--perturb-samples {1 + max(r['sample'] for r in recs)}"
+            f"--perturb-samples {r0.get('samples', 1 + max(r['sample'] for r in recs))}"
             + "".join(f" --set {k}={v}" for k, v in r0["set"].items())
-            + "`). Per layer, the sum over a set of queries of "
+            + "`)." + short + " Per layer, the sum over a set of queries of "
             "||(o - o_hat) W_O||_1: o over the whole context, o_hat over the entries the "
             "method kept after compressing the context alone, hidden states from the full "
             "cache. `window`: the last window's context queries (the ones the base method "
