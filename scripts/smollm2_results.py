@@ -763,6 +763,9 @@ def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 40
 QWEN_D2O_PAIRS = [("d2o", "full"), ("d2o", "h2o"), ("d2o", "streaming_llm"),
                   ("d2o_code", "h2o"), ("d2o_code", "streaming_llm")]
 QWEN_D2O_AT = ((1638, "40%"), (819, "20%"))  # of 4096
+# scripts/sweeps_qwen.sh d2o_ablation: which of D2O's parts a loss comes from (the paper's
+# Table 6 removes each), at 40%, where it left the floor; D2O itself re-run beside them
+QWEN_D2O_ABLATION_PAIRS = [("d2o", "d2o_uniform_layers"), ("d2o", "d2o_no_merge")]
 
 # scripts/sweeps_qwen.sh aggregation: LAVa's claim where it says dynamic layer budgets matter
 # most (RULER's aggregation, scored by the share of the references written), with its
@@ -790,7 +793,9 @@ def qwen_more(page: str, ctx: int = 4096) -> list[str]:
             [f"#### Output perturbation\n\n{pert}"] if pert else [])
     if page == "d2o":
         return _qwen_blocks("d2o", QWEN_D2O_PAIRS, QWEN_D2O_AT,
-                            "40% and 20% of the context (D2O's own budgets)", "d2o", ctx)
+                            "40% and 20% of the context (D2O's own budgets)", "d2o", ctx) + \
+            _qwen_blocks("ablation_d2o", QWEN_D2O_ABLATION_PAIRS, QWEN_D2O_AT[:1],
+                         "D2O's ablations at 40% of the context", "d2o_ablation", ctx)
     if page == "lava":
         k = qwen_dev_kernel()[0]
         return _qwen_blocks("lava", QWEN_LAVA_TASK_PAIRS, budgets(ctx),

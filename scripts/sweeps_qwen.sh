@@ -4,15 +4,17 @@
 # docs/results/qwen2.5-coder-0.5b/, resumable: re-run this script (or one line of it) to
 # finish what a stop cut off; commit the records as they come.
 #   nice bash scripts/sweeps_qwen.sh [SECTION [TASKS]]  # SECTION: baselines (default),
-#       pooling, papers, d2o, aggregation, critical_co, asl_dev, prefill; TASKS: a comma list of the
-#       solved tasks to run, in that order (default all; aggregation: ruler/cwe)
+#       pooling, papers, d2o, d2o_ablation, aggregation, critical_co, asl_dev, prefill;
+#       TASKS: a comma list of the solved tasks to run, in that order (default all;
+#       aggregation: ruler/cwe)
 # A stopped sweep keeps its finished batches (<records>.jsonl.batches, commit them too) and
 # the re-run continues from the batch it was in, so a task's ~2 h may span sessions.
 #
 # Status (n = 50 a cell, RULER's samples 16-65, 4096 tokens; hours on 2 cores):
 #   niah_multikey_2: baselines 16 cells done; pooling (dev) 8 done; papers 22 done;
 #     asl_dev 1 done (30 min); prefill 5 done (ASL group ~75 min, SlimInfer/LazyLLM ~55 min);
-#     d2o 8 (~1.5-2 h) run 2026-11-28; critical_co 8 (~1.5 h) to run;
+#     d2o 8 done 2026-11-28 (1 h 40 min beside other work); d2o_ablation 3 (~1 h) and
+#     critical_co 8 (~1.5 h) to run;
 #   vt: baselines 2 of 7 batches (~2 h left); cwe: aggregation 14 (~2.5-3 h) to run.
 #
 # The plan, against the cost measured on this machine (2 cores, float32):
@@ -49,6 +51,11 @@
 #   reading (d2o_code), H2O and StreamingLLM, one shared prefill (~50 min) and 8 cells of
 #   ~10 min: ~2 h a task. Declared (QWEN_D2O_PAIRS): D2O no worse than full; D2O and
 #   d2o_code better than H2O and StreamingLLM.
+# - d2o_ablation: where D2O loses (the d2o section: 16% at 40% against H2O's 24), which of its
+#   parts is the cause, as the paper's Table 6 removes each: d2o_uniform_layers (every layer
+#   at the budget) and d2o_no_merge (evicted entries discarded), with D2O re-run beside them,
+#   at 40% only (20% sits near the floor): one shared prefill and 3 cells, ~1 h. Declared
+#   (QWEN_D2O_ABLATION_PAIRS): D2O better than each ablation.
 # - aggregation: LAVa's claim where its paper says dynamic layer budgets matter most, RULER's
 #   aggregation: cwe (the full cache writes ~65% of the references at 4096 in the
 #   calibration: not "solved", but off the floor and the ceiling; scored by the share
@@ -142,6 +149,11 @@ case "${1:-baselines}" in
       run "d2o_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 1638,819 \
         --method d2o,d2o_code,h2o,streaming_llm
     done ;;
+  d2o_ablation)
+    for t in ${TASKS//,/ }; do
+      run "ablation_d2o_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 1638 \
+        --method d2o,d2o_uniform_layers,d2o_no_merge
+    done ;;
   aggregation)
     K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
     M=full,snapkv,ada_snapkv,pyramidkv,lava,cake,lava_heads_only,lava_layers_only
@@ -173,5 +185,5 @@ case "${1:-baselines}" in
         --set asl.kernel=$K --set fastkv.kernel=$K --set gemfilter.kernel=$K $A
       run "prefill_slim_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 256 --method sliminfer,lazyllm
     done ;;
-  *) echo "unknown section $1: baselines, pooling, papers, d2o, aggregation, critical_co, asl_dev or prefill" >&2; exit 2 ;;
+  *) echo "unknown section $1: baselines, pooling, papers, d2o, d2o_ablation, aggregation, critical_co, asl_dev or prefill" >&2; exit 2 ;;
 esac

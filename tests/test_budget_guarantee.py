@@ -89,7 +89,8 @@ def test_live_entries_match_the_budget(params, head_scores, name):
         # not hold the total (docs/methods.md "LAVa"): 3200 of 3072 at budget 128
         assert abs(int(got.sum()) - L * K * B) <= 0.1 * L * K * B, (got.sum(), L * K * B)
     elif name in ("pyramidkv", "critical_pyramidkv", "headkv", "critical_headkv", "lava",
-                  "lava_heads_only", "lava_layers_only", "cake", "critical_lava", "d2o"):
+                  "lava_heads_only", "lava_layers_only", "cake", "critical_lava", "d2o",
+                  "d2o_no_merge"):  # d2o_uniform_layers: every layer at the budget
         assert abs(int(got.sum()) - L * K * B) <= L * K, (got.sum(), L * K * B)
     elif name == "fastkv":
         tsp = st["selection_layer"][0]

@@ -445,6 +445,26 @@ def test_engine_run_context_only(pair, name):
         assert np.all(np.asarray(g2.state["sized_from"])[~whole] == N)
 
 
+def test_ablations_are_d2o_with_one_part_off(pair):
+    """The ablations: `d2o_uniform_layers` is `d2o` with variance_layers=False (every
+    layer's S_l = budget), `d2o_no_merge` is `d2o` with merge=False (nothing merges); the
+    same prefill otherwise (equal caches)."""
+    _, cfg, params = pair
+    ids = np.random.default_rng(5).integers(3, 97, N).tolist()
+    for name, field in (("d2o_uniform_layers", "variance_layers"), ("d2o_no_merge", "merge")):
+        a = methods.create(name, budget=16)
+        b = dataclasses.replace(methods.create("d2o", budget=16), **{field: False})
+        assert not getattr(a, field) and getattr(methods.create("d2o"), field)
+        (_, ca, sa, ta), (_, cb, sb, tb) = (_prefill(m, params, cfg, ids) for m in (a, b))
+        for x, y in ((ca.k, cb.k), (ca.valid, cb.valid), (sa["budget"], sb["budget"])):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    _, _, s, stats = _prefill(methods.create("d2o_uniform_layers", budget=16), params, cfg, ids)
+    assert np.all(np.asarray(s["budget"]) == 16)
+    _, _, _, stats = _prefill(methods.create("d2o_no_merge", budget=16), params, cfg, ids)
+    assert np.asarray(stats["prefill_merges"]).sum() == 0
+    assert np.asarray(stats["prefill_discards"]).sum() > 0
+
+
 @pytest.mark.parametrize("name", ["d2o", "d2o_code"])
 def test_uniform_budgets(name):
     """variance_layers=False: S_l = budget (the paper); r_l = rho = budget / n (the code,

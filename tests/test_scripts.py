@@ -244,6 +244,14 @@ def test_qwen_d2o_shares_and_lava_aggregation_judge_their_declared_pairs(monkeyp
     assert set(got) == {(a, b, share) for a, b in s.QWEN_D2O_PAIRS for share in ("40%", "20%")}
     assert got["d2o", "h2o", "20%"]["a_wins"] == 20  # the same samples, paired
     assert "| h2o | 512 |" not in text  # the baselines sweep gives full only
+    s.REGISTRY.clear()  # D2O's ablations: their own file, D2O re-run beside them
+    write("ablation_d2o_t_4096.jsonl", [rec(m, 1638, h) for m, h in (
+        ("d2o", 40), ("d2o_uniform_layers", 45), ("d2o_no_merge", 38))])
+    _, ablation = s.qwen_more("d2o")
+    got = {(r["a"], r["b"], r["budget"]): r for r in s.REGISTRY}
+    assert {k for k in got if k[1] in ("d2o_uniform_layers", "d2o_no_merge")} == {
+        ("d2o", b, "40%") for _, b in s.QWEN_D2O_ABLATION_PAIRS}
+    assert got["d2o", "d2o_uniform_layers", "40%"]["b_wins"] == 5 and "ablations" in ablation
     # LAVa on aggregation: kernel 17 chosen on the dev samples; a kernel-7 record is not read
     monkeypatch.setattr(s, "qwen_dev_kernel", lambda: (17, "", []))
     s.REGISTRY.clear()

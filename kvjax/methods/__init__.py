@@ -9,7 +9,7 @@
 | `lava/`           | lava, lava_code, lava_heads_only, lava_layers_only, cake           |
 | `critical/`       | critical_snapkv, critical_pyramidkv, critical_adakv,               |
 |                   | critical_headkv, critical_lava (the rule wraps a base)             |
-| `d2o/`            | d2o, d2o_code, roco, cam                                           |
+| `d2o/`            | d2o, d2o_code, d2o_uniform_layers, d2o_no_merge, roco, cam         |
 
 `full` (the uncompressed baseline) is the protocol's base class,
 `kvjax.compression.method.Method`. Every method is a frozen dataclass; docs/methods.md gives

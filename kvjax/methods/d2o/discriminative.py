@@ -494,3 +494,25 @@ class D2OCode(D2O):
     evict_at: str = "first_step"
     full_first: int = 2
     full_last: int = 1
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class D2OUniformLayers(D2O):
+    """D2O ablation "uniform layer sizes": every layer keeps S_l = budget (Eq. 4-5's
+    variance allocation off, `variance_layers=False`); sinks, recent window, heavy hitters
+    and merging as D2O. With `d2o_no_merge` it tells which of D2O's two parts a loss comes
+    from (the paper's Table 6 ablates both)."""
+
+    name: ClassVar[str] = "d2o_uniform_layers"
+    variance_layers: bool = False
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class D2ONoMerge(D2O):
+    """D2O ablation "no merging": D2O's layer sizes and eviction, every evicted entry
+    discarded (Eq. 9-12 off, `merge=False`)."""
+
+    name: ClassVar[str] = "d2o_no_merge"
+    merge: bool = False
