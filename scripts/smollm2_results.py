@@ -763,8 +763,9 @@ def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 40
 QWEN_D2O_PAIRS = [("d2o", "full"), ("d2o", "h2o"), ("d2o", "streaming_llm"),
                   ("d2o_code", "h2o"), ("d2o_code", "streaming_llm")]
 QWEN_D2O_AT = ((1638, "40%"), (819, "20%"))  # of 4096
-# scripts/sweeps_qwen.sh d2o_ablation: which of D2O's parts a loss comes from (the paper's
-# Table 6 removes each), at 40%, where it left the floor; D2O itself re-run beside them
+# scripts/sweeps_qwen.sh d2o_ablation: which of D2O's parts a loss comes from (its layer
+# sizes: Table 6's "w.o. Layer Operation"; its merging), at 40%, where it left the floor;
+# D2O itself re-run beside them
 QWEN_D2O_ABLATION_PAIRS = [("d2o", "d2o_uniform_layers"), ("d2o", "d2o_no_merge")]
 
 # scripts/sweeps_qwen.sh aggregation: LAVa's claim where it says dynamic layer budgets matter

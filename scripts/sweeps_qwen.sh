@@ -52,8 +52,8 @@
 #   ~10 min: ~2 h a task. Declared (QWEN_D2O_PAIRS): D2O no worse than full; D2O and
 #   d2o_code better than H2O and StreamingLLM.
 # - d2o_ablation: where D2O loses (the d2o section: 16% at 40% against H2O's 24), which of its
-#   parts is the cause, as the paper's Table 6 removes each: d2o_uniform_layers (every layer
-#   at the budget) and d2o_no_merge (evicted entries discarded), with D2O re-run beside them,
+#   parts is the cause: d2o_uniform_layers (every layer at the budget, Table 6's "w.o. Layer
+#   Operation") and d2o_no_merge (evicted entries discarded), with D2O re-run beside them,
 #   at 40% only (20% sits near the floor): one shared prefill and 3 cells, ~1 h. Declared
 #   (QWEN_D2O_ABLATION_PAIRS): D2O better than each ablation.
 # - aggregation: LAVa's claim where its paper says dynamic layer budgets matter most, RULER's

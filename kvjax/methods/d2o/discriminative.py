@@ -501,8 +501,8 @@ class D2OCode(D2O):
 class D2OUniformLayers(D2O):
     """D2O ablation "uniform layer sizes": every layer keeps S_l = budget (Eq. 4-5's
     variance allocation off, `variance_layers=False`); sinks, recent window, heavy hitters
-    and merging as D2O. With `d2o_no_merge` it tells which of D2O's two parts a loss comes
-    from (the paper's Table 6 ablates both)."""
+    and merging as D2O: the paper's Table 6 row "w.o. Layer Operation". With `d2o_no_merge`
+    it tells which of D2O's two parts a loss comes from."""
 
     name: ClassVar[str] = "d2o_uniform_layers"
     variance_layers: bool = False
@@ -512,7 +512,8 @@ class D2OUniformLayers(D2O):
 @dataclasses.dataclass(frozen=True)
 class D2ONoMerge(D2O):
     """D2O ablation "no merging": D2O's layer sizes and eviction, every evicted entry
-    discarded (Eq. 9-12 off, `merge=False`)."""
+    discarded (Eq. 9-12 off, `merge=False`): the part the paper credits for beating H2O's
+    pure eviction (Sec. 5.6); not a row of its Table 6, which keeps the merging."""
 
     name: ClassVar[str] = "d2o_no_merge"
     merge: bool = False
