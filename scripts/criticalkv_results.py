@@ -67,13 +67,11 @@ def kept(model, name: str, budget: int, ctx: list[int], nq: int,
     tokens, valid = engine.pad_left([ctx], engine.bucket(n), cfg.pad_token_id)
     _, cache, _, _ = engine.prefill(model.params, tokens, valid, cfg=cfg, method=m,
                                     capacity=m.cache_slots(tokens.shape[1], cfg))
-    keep = np.zeros((cfg.num_layers, cfg.num_kv_heads, n + nq), bool)
+    keep = np.zeros((cfg.num_layers, cfg.num_kv_heads, n + nq + 1), bool)  # +1: dead slots
     keep[..., n:] = True
     pos, live = np.asarray(cache.pos[:, 0]), np.asarray(cache.valid[:, 0])
-    for layer in range(cfg.num_layers):
-        for h in range(cfg.num_kv_heads):
-            keep[layer, h, pos[layer, h][live[layer, h]]] = True
-    return keep
+    np.put_along_axis(keep, np.where(live, pos, n + nq), True, axis=-1)
+    return keep[..., :-1]
 
 
 def perturbation(model, keep_MLKN: np.ndarray, ctx: list[int], question: list[int],

@@ -693,11 +693,17 @@ QWEN_PAPER_PAIRS = {
 }
 
 
+def _at_qwen_kernel(m: str) -> dict:
+    """The parameters a method's Qwen records are read at: the dev-chosen kernel where it
+    has one."""
+    return {"kernel": qwen_dev_kernel()[0]} if m in KERNELED else {}
+
+
 def qwen_papers(page: str, ctx: int = 4096) -> str | None:
     """A page's comparisons on Qwen2.5-Coder-0.5B from `scripts/sweeps_qwen.sh papers` and
     the baselines sweep of the same task; None before any papers sweep is complete."""
     k = qwen_dev_kernel()[0]
-    want = lambda m: {"kernel": k} if m in KERNELED else {}  # noqa: E731
+    want = _at_qwen_kernel
     pairs = [(a, b, want(a), want(b)) for a, b in QWEN_PAPER_PAIRS[page]]
     shown = {m for ab in QWEN_PAPER_PAIRS[page] for m in ab}
     blocks = []
@@ -786,11 +792,10 @@ def qwen_more(page: str, ctx: int = 4096) -> list[str]:
     """The Qwen blocks beyond the papers sweep: D2O at its own budgets, LAVa on aggregation,
     CriticalKV context-only."""
     if page == "criticalkv":
-        k = qwen_dev_kernel()[0]
         pert = perturbation(QWEN)
         return _qwen_blocks("critical_co", QWEN_CRITICAL_CO_PAIRS, QWEN_CRITICAL_CO_AT,
                             "context-only (CriticalKV's setting)", "critical_co", ctx,
-                            lambda m: {"kernel": k} if m in KERNELED else {}) + (
+                            _at_qwen_kernel) + (
             [f"#### Output perturbation\n\n{pert}"] if pert else [])
     if page == "d2o":
         return _qwen_blocks("d2o", QWEN_D2O_PAIRS, QWEN_D2O_AT,
@@ -798,10 +803,9 @@ def qwen_more(page: str, ctx: int = 4096) -> list[str]:
             _qwen_blocks("ablation_d2o", QWEN_D2O_ABLATION_PAIRS, QWEN_D2O_AT[:1],
                          "D2O's ablations at 40% of the context", "d2o_ablation", ctx)
     if page == "lava":
-        k = qwen_dev_kernel()[0]
         return _qwen_blocks("lava", QWEN_LAVA_TASK_PAIRS, budgets(ctx),
                             "aggregation (LAVa's claim and its ablations)", "aggregation", ctx,
-                            lambda m: {"kernel": k} if m in KERNELED else {})
+                            _at_qwen_kernel)
     return []
 
 

@@ -125,11 +125,8 @@ def revived_rows(rev_PBR: np.ndarray, block: int) -> np.ndarray:
     while rc < min(most, R):
         rc *= 2
     rc = min(rc, R)
-    out = np.full((P, B, rc), -1, np.int32)
-    for i, e in np.ndindex(P, B):
-        idx = np.flatnonzero(rev_PBR[i, e])
-        out[i, e, :idx.size] = idx
-    return out
+    idx = np.argsort(~rev_PBR, axis=-1, kind="stable")[..., :rc]  # revived first, ascending
+    return np.where(np.take_along_axis(rev_PBR, idx, -1), idx, -1).astype(np.int32)
 
 
 def decode_plan(m, cfg: ModelConfig, state) -> blocks.Plan:
