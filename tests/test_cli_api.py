@@ -124,6 +124,24 @@ def test_cli_run_writes_records(model_dir, tmp_path):
                                       "trained_steps": None}
 
 
+def test_per_sample_statistics_are_not_repeated_per_batch(model_dir, tmp_path):
+    """A method's per-sample statistic (ASL's selection layer) sits in each sample's details
+    with --details, and a batch at a time in method_stats only without them."""
+    def stats(*extra):
+        out = tmp_path / f"r{len(extra)}.json"
+        assert cli.main(["--model", str(model_dir), "--method", "asl", "--budget", "48",
+                         "--task", "passkey", "--context", "128", "--samples", "3",
+                         "--batch-size", "2", "--max-new-tokens", "2", "--no-progress",
+                         "--output", str(out), *extra]) == 0
+        return json.loads(out.read_text())["records"][0]
+
+    plain, detailed = stats(), stats("--details")
+    assert [len(b) for b in plain["method_stats"]["selection_layer"]] == [2, 1]
+    assert "selection_layer" not in detailed["method_stats"]
+    assert [d["selection_layer"] for d in detailed["details"]] == \
+        [x for b in plain["method_stats"]["selection_layer"] for x in b]
+
+
 def test_answer_span_is_the_one_place_the_value_sits():
     from kvjax.cli.sweep import answer_span
 

@@ -300,6 +300,23 @@ def test_slimmed_batches_keep_what_a_resume_and_the_pages_read(monkeypatch, tmp_
         {"budget": 4, "ttft": 1.0}
 
 
+def test_slimmed_records_keep_one_copy_of_each_statistic(monkeypatch, tmp_path):
+    """`--slim` on records: a per-batch statistic every sample's details carry goes from
+    method_stats (the details keep it), one only some samples carry stays."""
+    import json
+
+    s = _qwen_renderer(monkeypatch, tmp_path, "lava")
+    rec = {"method": "m", "budget": 4,
+           "method_stats": {"kept": [[[1], [2]]], "some": [[1, 2]], "batch": [3]},
+           "details": [{"score": 1.0, "kept": [1], "some": 1}, {"score": 0.0, "kept": [2]}]}
+    f = tmp_path / "r.jsonl"
+    f.write_text(json.dumps(rec) + "\n")
+    s.main(["--slim", str(f)])
+    (got,) = [json.loads(line) for line in f.read_text().splitlines()]
+    assert got["method_stats"] == {"some": [[1, 2]], "batch": [3]}
+    assert got["details"] == rec["details"]
+
+
 def test_perturbation_measures_several_kept_sets_in_one_prefill(monkeypatch, tmp_path):
     """CriticalKV's output perturbation (scripts/criticalkv_results.py): the sets measured
     together give each set's own numbers (one set alone, recomputed), every entry kept gives
