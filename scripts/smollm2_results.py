@@ -723,7 +723,8 @@ def qwen_papers(page: str, ctx: int = 4096) -> str | None:
             f"{QWEN_DEV_SKIP}-{QWEN_DEV_SKIP + 49}: pooling.md). Records: "
             f"`{f.relative_to(ROOT)}` and, for full, H2O and StreamingLLM (and the SnapKV "
             f"family at kernel 7), `{base.relative_to(ROOT)}`.\n\n"
-            + table(mine) + "\n\n" + claims(mine, pairs, budgets(ctx)))
+            + table(mine) + "\n\n" + claims(mine, pairs, budgets(ctx))
+            + (_qwen_layer_plot(mine, page, ctx, budgets(ctx)) if page != "criticalkv" else ""))
     going = _under_way(f"papers_*_{ctx}.jsonl.batches")
     more = qwen_more(page, ctx)
     if not blocks:
@@ -735,12 +736,23 @@ def qwen_papers(page: str, ctx: int = 4096) -> str | None:
             + "\n\n".join(blocks + more))
 
 
+def _qwen_layer_plot(recs: list[dict], page: str, ctx: int, at, suffix: str = "") -> str:
+    """A Qwen block's layer budgets (`_layer_plot`): LAVa's and CAKE's entries a layer
+    summed over the model's 2 KV heads, D2O's (Eq. 13) a head's."""
+    key, heads, methods = (("layer_sizes", 1, ("d2o", "d2o_code")) if page == "d2o" else
+                           ("layer_totals", 2, ("lava", "cake")))
+    return _layer_plot(ctx, [r for r in recs if r["method"] in methods],
+                       recs[0]["task"].split("/")[-1], key, page, heads, at,
+                       ("Qwen2.5-Coder-0.5B", f"_qwen2.5-coder-0.5b{suffix}"))
+
+
 def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 4096,
-                 want=lambda m: {}) -> list[str]:
+                 want=lambda m: {}, plot: str | None = None) -> list[str]:
     """A block per complete `<prefix>_<task>_<ctx>.jsonl` of `scripts/sweeps_qwen.sh
     <section>`: its table and the declared `pairs` at the budgets `at`, methods with the
-    parameters `want(method)`; full from the file, else from the baselines sweep of the same
-    samples. An unfinished sweep says how far it is."""
+    parameters `want(method)`, and the layer budgets of `plot`'s page (`_qwen_layer_plot`);
+    full from the file, else from the baselines sweep of the same samples. An unfinished
+    sweep says how far it is."""
     shown = {m for ab in pairs for m in ab}
     blocks = []
     for f in sorted(QWEN.glob(f"{prefix}_*_{ctx}.jsonl")):
@@ -758,7 +770,8 @@ def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 40
             f"Records: " + " and ".join(sorted({f"`{g}`" for r in recs for g in r["_files"]}))
             + ".\n\n" + table(recs) + "\n\n"
             + claims(recs, [(a, b, want(a), want(b)) for a, b in pairs], at,
-                     recs[0]["scenario"]))
+                     recs[0]["scenario"])
+            + (_qwen_layer_plot(recs, plot, ctx, at, "_" + prefix) if plot else ""))
     going = _under_way(f"{prefix}_*_{ctx}.jsonl.batches")
     return blocks + ([f"{title[0].upper() + title[1:]}: under way: {_resumes(going, section)}"]
                      if going else [])
@@ -799,13 +812,14 @@ def qwen_more(page: str, ctx: int = 4096) -> list[str]:
             [f"#### Output perturbation\n\n{pert}"] if pert else [])
     if page == "d2o":
         return _qwen_blocks("d2o", QWEN_D2O_PAIRS, QWEN_D2O_AT,
-                            "40% and 20% of the context (D2O's own budgets)", "d2o", ctx) + \
+                            "40% and 20% of the context (D2O's own budgets)", "d2o", ctx,
+                            plot="d2o") + \
             _qwen_blocks("ablation_d2o", QWEN_D2O_ABLATION_PAIRS, QWEN_D2O_AT[:1],
                          "D2O's ablations at 40% of the context", "d2o_ablation", ctx)
     if page == "lava":
         return _qwen_blocks("lava", QWEN_LAVA_TASK_PAIRS, budgets(ctx),
                             "aggregation (LAVa's claim and its ablations)", "aggregation", ctx,
-                            _at_qwen_kernel)
+                            _at_qwen_kernel, plot="lava")
     return []
 
 
@@ -886,7 +900,30 @@ def qwen_asl_dev(task: str = "niah_multikey_2", ctx: int = 4096) -> str | None:
             f"the paper's tau 0.3, else ranks from L_min (`rank_from=l_min`, SmolLM2's dev "
             f"choice). Here {why}: chosen "
             + ("the defaults." if sets == "" else f"`{sets.split()[-1].split('.', 1)[1]}`.")
-            + "\n\n" + "\n".join(_tau_table([("dev, the defaults", _relvar(r, False))])))
+            + "\n\n" + "\n".join(_tau_table([("dev, the defaults", _relvar(r, False))]))
+            + _qwen_relvar_plot(r, task, ctx))
+
+
+def _qwen_relvar_plot(dev: dict, task: str, ctx: int) -> str:
+    """The per-layer curve on Qwen (docs/results/asl_relvar_qwen2.5-coder-0.5b.png): the dev
+    run's (never selects: every layer) and the judged run's (ranks from L_min, tau 0.3: cut
+    short where a prompt selected)."""
+    f = QWEN / f"prefill_asl_{task}_{ctx}.jsonl"
+    judged = next((r for r in report.load_records(f) if r["method"] == "asl"
+                   and r["samples"] >= 50), None) if f.exists() else None
+    curves = [("dev samples, the defaults, tau 1e-6", dev)] + (
+        [(f"judged samples, {_asl_reading(judged)}, tau 0.3", judged)] if judged else [])
+    name = "asl_relvar_qwen2.5-coder-0.5b.png"
+    _relvar_png([(w, _relvar(r), _relvar(r, False)) for w, r in curves],
+                f"Qwen2.5-Coder-0.5B, {task} at {ctx}", name)
+    return ("\n\nThe per-layer curve (the records' `relative_variance`; the judged run's stops "
+            "where a prompt selected, so its right panel is exact below tau 0.3 only):\n\n"
+            f"![ASL relative rank variance on Qwen2.5-Coder-0.5B]({name})")
+
+
+def _asl_reading(r: dict) -> str:
+    """ASL's rank source as a record ran it."""
+    return f"ranks from {'L_min' if params(r).get('rank_from') == 'l_min' else 'layer 0'}"
 
 
 # LAVa's tasks at each context (the paper's claim is an average over tasks): each task's
@@ -945,11 +982,14 @@ def _pooled(groups: list[list[dict]]) -> list[dict]:
 
 
 def _layer_plot(ctx: int, recs: list[dict], task: str = TASK, key: str = "layer_totals",
-                page: str = "lava", heads: int = 3) -> str:
+                page: str = "lava", heads: int = 3, at=None,
+                model: tuple[str, str] = ("SmolLM2-135M", "")) -> str:
     """The entries each layer kept (mean over the samples of the details' `key`: LAVa's
-    `layer_totals` are summed over the 3 KV heads, `heads` = 3; D2O's `layer_sizes` are a
-    head's, `heads` = 1) for the methods whose layer budgets differ, one panel a budget:
-    docs/results/<page>_layers_<task>_<ctx>.png (when the records carry `key`: `slim`)."""
+    `layer_totals` are summed over the KV heads, `heads` of them, 3 on SmolLM2; D2O's
+    `layer_sizes` are a head's, `heads` = 1) for the methods whose layer budgets differ, one
+    panel a budget of `at` ((budget, share) pairs; `budgets(ctx)` by default):
+    docs/results/<page>_layers_<task>_<ctx><model[1]>.png (when the records carry `key`:
+    `slim`); `model` = (its name in the title, its suffix in the file's)."""
     have = [r for r in recs if any(key in d for d in r["details"])]
     if not have:
         return ""
@@ -960,9 +1000,11 @@ def _layer_plot(ctx: int, recs: list[dict], task: str = TASK, key: str = "layer_
     from results_overview import _quantize
 
     what = "summed over KV heads" if heads > 1 else "a KV head"
-    at = [b for b, _ in budgets(ctx)]
-    fig, axes = plt.subplots(1, len(at), figsize=(4.2 * len(at), 3.2), sharey=True)
-    for ax, (b, part) in zip(axes, budgets(ctx)):
+    at = at or budgets(ctx)
+    fig, axes = plt.subplots(1, len(at), figsize=(4.2 * len(at), 3.2), sharey=True,
+                             squeeze=False)
+    axes = axes[0]
+    for ax, (b, part) in zip(axes, at):
         for r in sorted((r for r in have if r["budget"] == b), key=_name):
             t = np.array([d[key] for d in r["details"]], float)
             ax.plot(np.arange(t.shape[1]), t.mean(0), label=_name(r))
@@ -972,10 +1014,10 @@ def _layer_plot(ctx: int, recs: list[dict], task: str = TASK, key: str = "layer_
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"entries kept ({what})", fontsize=9)
     axes[-1].legend(fontsize=8, frameon=False)
-    fig.suptitle(f"SmolLM2-135M, {task} {ctx}: layer budgets (mean of 50 samples)",
+    fig.suptitle(f"{model[0]}, {task} {ctx}: layer budgets (mean of 50 samples)",
                  fontsize=10)
     fig.tight_layout()
-    path = ROOT / "docs" / "results" / f"{page}_layers_{task}_{ctx}.png"
+    path = ROOT / "docs" / "results" / f"{page}_layers_{task}_{ctx}{model[1]}.png"
     fig.savefig(path, dpi=80)
     plt.close(fig)
     _quantize(path)
@@ -1459,33 +1501,19 @@ def _tau_table(curves) -> list[str]:
     return rows
 
 
-def asl_curves() -> str | None:
-    """ASL's per-layer relative rank variance on SmolLM2 (seed 0 at kernels 7 and 17, and the
-    dev seed's readings with tau = 1e-6, which never select and so record every layer):
-    docs/results/asl_relvar_smollm2.png, and per reading the prompts that would select at
-    each tau and where."""
+def _relvar_png(curves, title: str, name: str) -> None:
+    """docs/results/<name>: per (label, [prompts, layers] relative rank variance from L_min
+    on, the same without L_min's 1) its median and 10-90% band per layer, and the share of
+    prompts whose curve falls below each tau (where ASL at that tau would select)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
     from results_overview import _quantize
 
-    curves = []
-    for f, what in (("asl_1024", "seed 0, kernel 7, 1024"), ("asl_2048", "seed 0, kernel 7, 2048"),
-                    ("asl_k17_1024", "seed 0, kernel 17, 1024"),
-                    ("asl_lmin_k17_1024", "seed 0, kernel 17, rank_from=l_min, 1024"),
-                    *((f"asl_dev_s1_{v}_1024", f"dev seed 1, kernel 17, {ASL_DEV[v]}")
-                      for v in ASL_DEV)):
-        path = RECORDS / f"{f}.jsonl"
-        r = next((r for r in report.load_records(path) if r["method"] == "asl"), None) \
-            if path.exists() else None
-        if r is not None and r["samples"] >= 50:
-            curves.append((what, f, _relvar(r), _relvar(r, False)))
-    if not curves:
-        return None
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4.4))
     taus = np.linspace(0.01, 1.0, 100)
-    for what, _, rv, after in curves:
+    for what, rv, after in curves:
         keep = ~np.isnan(rv).all(0)  # the layers from L_min on
         line, = ax.plot(np.flatnonzero(keep), np.nanmedian(rv[:, keep], axis=0), label=what,
                         lw=1.2)
@@ -1505,13 +1533,36 @@ def asl_curves() -> str | None:
     bx.set_ylabel("% of prompts that select", fontsize=9)
     bx.set_ylim(-2, 102)
     bx.grid(alpha=0.3)
-    fig.suptitle("SmolLM2-135M, niah_single: ASL's relative rank variance (tau = 0.3 dashed)",
-                 fontsize=10)
+    fig.suptitle(f"{title}: ASL's relative rank variance (tau = 0.3 dashed)", fontsize=10)
     fig.tight_layout(rect=(0, 0.17, 1, 1))
-    png = ROOT / "docs" / "results" / "asl_relvar_smollm2.png"
+    png = ROOT / "docs" / "results" / name
     fig.savefig(png, dpi=80)
     plt.close(fig)
     _quantize(png)
+
+
+def asl_curves() -> str | None:
+    """ASL's per-layer relative rank variance on SmolLM2 (seed 0 at kernels 7 and 17, and the
+    dev seed's readings with tau = 1e-6, which never select and so record every layer):
+    docs/results/asl_relvar_smollm2.png, and per reading the prompts that would select at
+    each tau and where."""
+    import numpy as np
+
+    curves = []
+    for f, what in (("asl_1024", "seed 0, kernel 7, 1024"), ("asl_2048", "seed 0, kernel 7, 2048"),
+                    ("asl_k17_1024", "seed 0, kernel 17, 1024"),
+                    ("asl_lmin_k17_1024", "seed 0, kernel 17, rank_from=l_min, 1024"),
+                    *((f"asl_dev_s1_{v}_1024", f"dev seed 1, kernel 17, {ASL_DEV[v]}")
+                      for v in ASL_DEV)):
+        path = RECORDS / f"{f}.jsonl"
+        r = next((r for r in report.load_records(path) if r["method"] == "asl"), None) \
+            if path.exists() else None
+        if r is not None and r["samples"] >= 50:
+            curves.append((what, f, _relvar(r), _relvar(r, False)))
+    if not curves:
+        return None
+    _relvar_png([(what, rv, after) for what, _, rv, after in curves], "SmolLM2-135M, niah_single",
+                "asl_relvar_smollm2.png")
     rows = _tau_table([(f"{what} ({f}.jsonl)", after) for what, f, _, after in curves])
     return ("ASL selects at the first layer after L_min (layer "
             f"{int(np.argmax(~np.isnan(curves[0][2][0])))} of 30 here) whose relative rank "

@@ -70,6 +70,7 @@ def _qwen_renderer(monkeypatch, tmp_path, page: str):
 
     monkeypatch.setattr(s, "ROOT", tmp_path)
     monkeypatch.setattr(s, "QWEN", tmp_path)
+    (tmp_path / "docs" / "results").mkdir(parents=True)  # the plots
     monkeypatch.setattr(s, "REGISTRY", [])
     monkeypatch.setattr(s, "TABLES", [])
     monkeypatch.setitem(s.PAGE, "name", page)
@@ -209,6 +210,8 @@ def test_qwen_asl_reading_is_chosen_on_the_dev_run_by_the_declared_rule(monkeypa
            "`rank_from=l_min`." in text
     assert ("| dev, the defaults | 50 | 0.29 / 0.31 | 0 | 24 (layer 4) | 50 (layer 4) | 50 (layer 4) "
             "| 50 (layer 4) |") in text
+    assert "![ASL relative rank variance on Qwen2.5-Coder-0.5B](asl_relvar_qwen2.5-coder-0.5b" \
+        ".png)" in text and (tmp_path / "docs/results/asl_relvar_qwen2.5-coder-0.5b.png").exists()
     write([0.29] * 50, skip=16)  # the judged samples are never the dev run
     assert s.main(["--qwen-asl"]) == 2
 
@@ -236,10 +239,15 @@ def test_qwen_d2o_shares_and_lava_aggregation_judge_their_declared_pairs(monkeyp
 
     write("baselines_t_4096.jsonl", [rec("full", None, 50), rec("h2o", 512, 3)])
     assert s.qwen_more("d2o") == []
-    write("d2o_t_4096.jsonl", [rec(m, b, h) for b in (1638, 819)
-                               for m, h in (("d2o", 40), ("d2o_code", 30), ("h2o", 20),
-                                            ("streaming_llm", 10))])
+    recs = [rec(m, b, h) for b in (1638, 819) for m, h in (
+        ("d2o", 40), ("d2o_code", 30), ("h2o", 20), ("streaming_llm", 10))]
+    for r in recs[:2]:  # D2O's layer sizes (Eq. 13) at 40%: plotted
+        for d in r["details"]:
+            d["layer_sizes"] = [3276, 1212, 1212]
+    write("d2o_t_4096.jsonl", recs)
     (text,) = s.qwen_more("d2o")
+    png = "d2o_layers_t_4096_qwen2.5-coder-0.5b_d2o.png"
+    assert f"]({png})" in text and (tmp_path / "docs/results" / png).exists()
     got = {(r["a"], r["b"], r["budget"]): r for r in s.REGISTRY}
     assert set(got) == {(a, b, share) for a, b in s.QWEN_D2O_PAIRS for share in ("40%", "20%")}
     assert got["d2o", "h2o", "20%"]["a_wins"] == 20  # the same samples, paired
