@@ -497,6 +497,15 @@ def verdict_screen(results: Path) -> list[str]:
             ""]
 
 
+def _arms(r: dict) -> str:
+    """a vs b in the row's unit: accuracy %, or the NLL a token or the mean summed output
+    perturbation (lower better; the registry's units are negated)."""
+    if r.get("metric") in ("nll", "perturbation"):
+        return f"{r['metric'].upper() if r['metric'] == 'nll' else r['metric']} " \
+            f"{-r['a_acc']:.3g} vs {-r['b_acc']:.3g}"
+    return f"{100 * r['a_acc']:.0f} vs {100 * r['b_acc']:.0f}"
+
+
 def readme_claims(results: Path, shown: int = 4) -> str:
     """The README's claims table: per paper, claim and model, the verdicts counted, and
     its decided comparisons (holds, does not hold; the first `shown`)."""
@@ -506,7 +515,8 @@ def readme_claims(results: Path, shown: int = 4) -> str:
     for r in rows:
         groups[r["paper"], r["claim"], r["model"]].append(r)
     out = ["| paper | claim | model | holds | does not hold | cannot tell | uninformative | "
-           "decided comparisons (a vs b: accuracy %, a wins : b wins) |", "|---" * 8 + "|"]
+           "decided comparisons (a vs b: accuracy % or the row's metric, a wins : b wins) |",
+           "|---" * 8 + "|"]
     for (paper, claim, model), rs in sorted(groups.items()):
         n = {v: sum(r["verdict"] == v for r in rs) for v in ("holds", "does not hold",
                                                             "cannot tell", "uninformative")}
@@ -514,7 +524,7 @@ def readme_claims(results: Path, shown: int = 4) -> str:
         text = "; ".join(
             f"{r['verdict']}: {r['a']} vs {r['b']} ({r['task']} {r['context']}"
             f"{', context-only' if r['scenario'] == 'context_only' else ''}, {r['budget']}): "
-            f"{100 * r['a_acc']:.0f} vs {100 * r['b_acc']:.0f}, {r['a_wins']} : {r['b_wins']}"
+            f"{_arms(r)}, {r['a_wins']} : {r['b_wins']}"
             for r in decided[:shown])
         if len(decided) > shown:
             text += f"; {len(decided) - shown} more in the overview"

@@ -366,11 +366,13 @@ def _register_units(ra: list[dict], rb: list[dict], metric: str, a: str, b: str,
                     context: int, scenario: str, part: str, files: list[str],
                     arms: tuple = (None, None)) -> int:
     """A registry row whose units are text blocks (metric `nll`) or samples' summed output
-    perturbations (`perturbation`), lower better in both: `kvjax.claims.units`."""
+    perturbations (`perturbation`), lower better in both: `kvjax.claims.units`; the model
+    the records name (Holm is over a paper's comparisons on one model)."""
     from kvjax import claims as cl
 
+    (model,) = {r["model"] for r in ra + rb}
     row = {"paper": PAPER[PAGE["name"]], "claim": CLAIM_WORDS[PAPER[PAGE["name"]]],
-           "model": "smollm2-135m", "task": task, "context": context, "scenario": scenario,
+           "model": model, "task": task, "context": context, "scenario": scenario,
            "budget": part, "a": a, "b": b, "kind": "better", "margin": None,
            "records": files, "a_records": [cl.record_key(r, metric) for r in ra],
            "b_records": [cl.record_key(r, metric) for r in rb], "seed": ra[0].get("seed"),
