@@ -325,6 +325,25 @@ def test_slimmed_records_keep_one_copy_of_each_statistic(monkeypatch, tmp_path):
     assert got["details"] == rec["details"]
 
 
+def test_perturbation_claims_are_the_records_models(monkeypatch, tmp_path):
+    """A perturbation file's claims rows name the model its records ran on (Holm is over a
+    paper's comparisons on one model): Qwen's are not SmolLM2's."""
+    import json
+
+    s = _qwen_renderer(monkeypatch, tmp_path, "criticalkv")
+    recs = [{"model": "qwen2.5-coder-0.5b", "model_weights": {"sha256": "ab" * 32},
+             "base": "snapkv", "critical": "critical_snapkv", "budget": 128, "sample": i,
+             "samples": 3, "seed": 0, "set": {"kernel": 17}, "task": "niah_single",
+             "context": 2048, "window_base": [1.0, 2.0], "window_critical": [1.0, 2.5 + i],
+             "question_base": [1.0, 1.0], "question_critical": [0.5, 1.0]} for i in range(3)]
+    (tmp_path / "critical_perturb_2048.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in recs))
+    assert "critical / base" in s.perturbation(tmp_path)
+    assert [(r["model"], r["budget"], r["b_wins"]) for r in s.REGISTRY] == [
+        ("qwen2.5-coder-0.5b", "128 (window queries)", 3),
+        ("qwen2.5-coder-0.5b", "128 (question queries)", 0)]
+
+
 def test_perturbation_measures_several_kept_sets_in_one_prefill(monkeypatch, tmp_path):
     """CriticalKV's output perturbation (scripts/criticalkv_results.py): the sets measured
     together give each set's own numbers (one set alone, recomputed), every entry kept gives
