@@ -570,10 +570,32 @@ def _own_and_full(f, prefix: str, keep=lambda r: True) -> tuple[list[dict], obje
     return recs, base
 
 
-def qwen_baselines(ctx: int = 4096) -> str:
-    """Qwen2.5-Coder-0.5B's baselines at `ctx` on each RULER task its full cache solves
-    (`scripts/sweeps_qwen.sh baselines`): a table and the declared comparisons per task
-    whose sweep is complete; a sweep under way says how far it is."""
+QWEN_CONTEXTS = (4096, 8192)  # `CTX=8192 bash scripts/sweeps_qwen.sh baselines` for the second
+
+
+def qwen_baselines() -> str:
+    """Qwen2.5-Coder-0.5B's baselines at each of QWEN_CONTEXTS on each RULER task its full
+    cache solves there (`scripts/sweeps_qwen.sh baselines`): a table and the declared
+    comparisons per task whose sweep is complete; a sweep under way says how far it is."""
+    blocks, going, at = [], [], [QWEN_CONTEXTS[0]]
+    for ctx in QWEN_CONTEXTS:
+        blocks += _qwen_baseline_blocks(ctx)
+        going += _under_way(f"baselines_*_{ctx}.jsonl.batches")
+        at += [ctx] if ctx not in at and any(QWEN.glob(f"baselines_*_{ctx}.jsonl*")) else []
+    head = ("The eight baselines at 1/8 and 1/16 of the context on the RULER tasks "
+            f"Qwen2.5-Coder-0.5B's full cache solves at {' and '.join(map(str, at))} (MODEL.md, "
+            "`qwen2.5-coder-0.5b-ruler`), SnapKV's pooling kernel at its default 7, methods "
+            "at their papers' defaults. Rendered by `python scripts/smollm2_results.py` from "
+            "the records of `scripts/sweeps_qwen.sh baselines` (ObservedAttention, the ninth, from "
+            "`scripts/sweeps_qwen.sh papers`, on the same samples).")
+    if going:
+        head += " Sweeps not finished: " + "; ".join(going) + "."
+    if not blocks:
+        head += " No task's sweep is complete yet."
+    return "\n\n".join([head, *blocks])
+
+
+def _qwen_baseline_blocks(ctx: int) -> list[str]:
     blocks = []
     for f in sorted(QWEN.glob(f"baselines_*_{ctx}.jsonl")):
         rel = str(f.relative_to(ROOT))
@@ -591,7 +613,8 @@ def qwen_baselines(ctx: int = 4096) -> str:
         full = scored(find(recs, "full"))
         skip = recs[0].get("ruler_skip", 0)
         blocks.append(
-            f"#### {task}\n\nRULER's samples {skip}-{skip + recs[0]['samples'] - 1} "
+            f"#### {task}{f' at {ctx}' if ctx != QWEN_CONTEXTS[0] else ''}\n\n"
+            f"RULER's samples {skip}-{skip + recs[0]['samples'] - 1} "
             f"(`--ruler-skip {skip}`: the calibration chose the task on samples 0-15), "
             f"plain prompts, {ctx} tokens, question-aware, "
             f"seed {recs[0]['seed']}; {report.model_line(recs)}. Full cache: {fmt(full)}. Records: `{rel}` "
@@ -599,18 +622,7 @@ def qwen_baselines(ctx: int = 4096) -> str:
             + (f"; ObservedAttention's: `{papers.relative_to(ROOT)}`" if any(
                 r["method"] == "observed_attention" for r in recs) else "") + ".\n\n"
             + table(recs) + "\n\n" + claims(recs, _qwen_pairs(), budgets(ctx)))
-    going = _under_way(f"baselines_*_{ctx}.jsonl.batches")
-    head = ("The eight baselines at 1/8 and 1/16 of the context on the RULER tasks "
-            "Qwen2.5-Coder-0.5B's full cache solves at 4096 (MODEL.md, "
-            "`qwen2.5-coder-0.5b-ruler`), SnapKV's pooling kernel at its default 7, methods "
-            "at their papers' defaults. Rendered by `python scripts/smollm2_results.py` from "
-            "the records of `scripts/sweeps_qwen.sh baselines` (ObservedAttention, the ninth, from "
-            "`scripts/sweeps_qwen.sh papers`, on the same samples).")
-    if going:
-        head += " Sweeps not finished: " + "; ".join(going) + "."
-    if not blocks:
-        head += " No task's sweep is complete yet."
-    return "\n\n".join([head, *blocks])
+    return blocks
 
 
 # The pooling kernel on Qwen2.5-Coder-0.5B (`scripts/sweeps_qwen.sh pooling`): chosen on RULER

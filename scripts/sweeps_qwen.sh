@@ -16,6 +16,11 @@
 #     d2o 8 done 2026-11-28 (1 h 40 min beside other work); d2o_ablation 3 (~1 h) and
 #     critical_co 8 (~1.5 h) to run;
 #   vt: baselines 2 of 7 batches (~2 h left); cwe: aggregation 14 (~2.5-3 h) to run.
+#   8192 (`CTX=8192 nice bash scripts/sweeps_qwen.sh baselines ruler/niah_multikey_2`; the
+#   full cache answers 8 of 8 in ruler_8192_n8.jsonl): the full prefill ~50 s a sample
+#   (batches of 8: 380-690 s in the calibration), so ~45-80 min of shared prefill and 16
+#   cells of ~5 min: ~2.5 h; SnapKV's kernel stays 7 (the baselines' default), the papers'
+#   methods would take the kernel chosen on the 4096 dev samples.
 #
 # The plan, against the cost measured on this machine (2 cores, float32):
 # - the full prefill of a batch of 8 RULER prompts at 4096 tokens: 497 s (62 s a sample,
@@ -84,7 +89,7 @@
 set -u
 cd "$(dirname "$0")/.."
 D=docs/results/qwen2.5-coder-0.5b
-CTX=4096
+CTX=${CTX:-4096}  # CTX=8192 for the second length (its own calibration: ruler_8192*.jsonl)
 R="python -m kvjax.run --model qwen2.5-coder-0.5b --context $CTX --samples 50 --ruler-skip 16
    --batch-size 8 --details --no-progress"
 

@@ -290,6 +290,28 @@ def test_qwen_d2o_shares_and_lava_aggregation_judge_their_declared_pairs(monkeyp
     assert "context-only, seed" in text
 
 
+def test_qwen_baselines_at_a_second_length(monkeypatch, tmp_path):
+    """`CTX=8192 sweeps_qwen.sh baselines`: its block beside 4096's, judged at 8192's own
+    1/8 and 1/16; the page names 8192 only once a sweep at it exists."""
+    import json
+
+    s = _qwen_renderer(monkeypatch, tmp_path, "baselines")
+    monkeypatch.setattr(s, "qwen_dev_kernel", lambda: (None, "", []))
+    assert "solves at 4096 (MODEL.md" in s.qwen_baselines()
+    recs = [{"method": m, "budget": b, "scenario": "question_aware", "samples": 50,
+             "accuracy": 0.5, "seed": 0, "task": "ruler/t", "context_length": 8192,
+             "ruler_skip": 16, "model": "qwen2.5-coder-0.5b", "max_new_tokens": 8,
+             "model_weights": {"sha256": "ab" * 32}, "kv_fraction": 0.1, "ttft_s": 2.0,
+             "ttft_own_s": 0.1, "tpot_s": 0.1, "prefill": "shared", "compile_s": 1.0,
+             "method_params": {"kernel": 7} if m in s.KERNELED else {},
+             "details": [{"score": float(i % 2)} for i in range(50)]}
+            for m in ("full", *s.QWEN_METHODS) for b in ((None,) if m == "full" else (1024, 512))]
+    (tmp_path / "baselines_t_8192.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    text = s.qwen_baselines()
+    assert "solves at 4096 and 8192 (MODEL.md" in text and "#### ruler/t at 8192\n" in text
+    assert {(r["context"], r["budget"]) for r in s.REGISTRY} == {(8192, "1/8"), (8192, "1/16")}
+
+
 def test_slimmed_batches_keep_what_a_resume_and_the_pages_read(monkeypatch, tmp_path):
     """`--slim` on a sweep's batches file: per-batch layer budgets dropped, each sample's
     [L, K] budgets become per-layer sums, every other field kept, a cut-off line dropped."""
