@@ -531,12 +531,13 @@ def _qwen_pairs() -> list[tuple]:
     return pairs
 
 
-def _under_way(pattern: str) -> list[str]:
-    """How far each unfinished Qwen sweep matching `pattern` (its .batches file) is."""
+def _under_way(pattern: str, folder=None) -> list[str]:
+    """How far each unfinished Qwen sweep matching `pattern` (its .batches file, in `folder`:
+    QWEN's by default) is."""
     import json
 
     going = []
-    for f in sorted(QWEN.glob(pattern)):
+    for f in sorted((folder or QWEN).glob(pattern)):
         jobs = {}
         for line in f.read_text().splitlines():
             try:  # a line cut off by a kill is skipped, as `--resume` skips it
@@ -568,6 +569,53 @@ def _own_and_full(f, prefix: str, keep=lambda r: True) -> tuple[list[dict], obje
                  for r in report.load_records(base) if r["method"] == "full"
                  and r["samples"] >= 50]
     return recs, base
+
+
+# Qwen2.5-Coder-1.5B (`MODEL=qwen2.5-coder-1.5b bash scripts/sweeps_qwen.sh key`): each
+# paper's key comparison at 1/8 of 4096, one shared prefill, SnapKV's kernel its default 7
+QWEN15 = ROOT / "docs" / "results" / "qwen2.5-coder-1.5b"
+QWEN15_PAIRS = {
+    "baselines": [(m, "full") for m in ("snapkv", "ada_snapkv", "pyramidkv", "h2o",
+                                        "streaming_llm")]
+    + [("ada_snapkv", "snapkv"), ("pyramidkv", "snapkv"), ("snapkv", "h2o"),
+       ("snapkv", "streaming_llm")],
+    "lava": [("lava", "full"), ("lava", "ada_snapkv"), ("lava", "snapkv"),
+             ("ada_snapkv", "snapkv")],
+    "criticalkv": [("critical_snapkv", "full"), ("critical_snapkv", "snapkv")],
+    "d2o": [("d2o", "full"), ("d2o", "h2o"), ("d2o", "streaming_llm")],
+}
+
+
+def qwen15(page: str, ctx: int = 4096) -> str:
+    """A page's section on Qwen2.5-Coder-1.5B: per task of the `key` sweep, the page's
+    methods and its declared comparisons (QWEN15_PAIRS) at 1/8; what is not run, said."""
+    folder = QWEN15
+    run = "`MODEL=qwen2.5-coder-1.5b nice bash scripts/sweeps_qwen.sh key`"
+    if page not in QWEN15_PAIRS:
+        return (f"Not in this model's plan: {page} runs its own prefill, ~2.5 h a method at "
+                f"n = 50 on 2 cores (scripts/sweeps_qwen.sh, its header).")
+    pairs = QWEN15_PAIRS[page]
+    shown = {m for ab in pairs for m in ab}
+    blocks = []
+    for f in sorted(folder.glob(f"key_*_{ctx}.jsonl")):
+        recs = [{**r, "_files": [str(f.relative_to(ROOT))]} for r in report.load_records(f)
+                if r["samples"] >= 50]
+        if not shown <= {r["method"] for r in recs}:
+            continue
+        skip = recs[0].get("ruler_skip", 0)
+        blocks.append(
+            f"#### {recs[0]['task']}\n\nRULER's samples {skip}-{skip + 49}, plain prompts, "
+            f"{ctx} tokens, question-aware, seed {recs[0]['seed']}; {report.model_line(recs)}; "
+            f"one shared prefill; SnapKV's pooling kernel its default 7. Records: "
+            f"`{f.relative_to(ROOT)}`.\n\n" + table(recs, shown) + "\n\n"
+            + claims(recs, [(a, b, {}, {}) for a, b in pairs], budgets(ctx)[:1]))
+    going = _under_way(f"key_*_{ctx}.jsonl.batches", folder)
+    if going:
+        blocks.append(f"Under way: {'; '.join(going)} ({run} resumes it).")
+    return ("\n\n".join(blocks) if blocks else
+            f"Not measured yet: the full cache's calibration on RULER's samples 0-7 "
+            f"(`MODEL=qwen2.5-coder-1.5b nice bash scripts/sweeps_qwen.sh calibrate`), then "
+            f"{run} on the tasks it solves (plan and cost: the script's header).")
 
 
 QWEN_CONTEXTS = (4096, 8192)  # `CTX=8192 bash scripts/sweeps_qwen.sh baselines` for the second
@@ -1757,6 +1805,10 @@ def main(argv=None) -> int:
     for page in QWEN_PREFILL:
         PAGE["name"] = page
         qwen_pages[page] = qwen_prefill(page)
+    qwen15_pages = {}
+    for page in ("baselines", *QWEN_PAPER_PAIRS, *QWEN_PREFILL):
+        PAGE["name"] = page
+        qwen15_pages[page] = qwen15(page)
     PAGE["name"] = "baselines"
     rows = write_registry()
     fill = lambda text: _fill(text, rows)  # noqa: E731
@@ -1774,6 +1826,9 @@ def main(argv=None) -> int:
         if body:
             report.replace_section(ROOT / "docs" / "results" / f"{page}.md", f"qwen-{page}",
                                    fill(body))
+    for page, body in qwen15_pages.items():
+        report.replace_section(ROOT / "docs" / "results" / f"{page}.md", f"qwen-15b-{page}",
+                               fill(body))
     print(f"rendered from {len(records)} records")
     return 0
 

@@ -5,6 +5,7 @@
 # finish what a stop cut off; commit the records as they come.
 #   nice bash scripts/sweeps_qwen.sh [SECTION [TASKS]]  # SECTION: baselines (default),
 #       pooling, papers, d2o, d2o_ablation, aggregation, critical_co, asl_dev, prefill;
+#       with MODEL=qwen2.5-coder-1.5b: calibrate, then key;
 #       TASKS: a comma list of the solved tasks to run, in that order (default all;
 #       aggregation: ruler/cwe)
 # A stopped sweep keeps its finished batches (<records>.jsonl.batches, commit them too) and
@@ -17,10 +18,20 @@
 #     critical_co 8 (~1.5 h) to run;
 #   vt: baselines 2 of 7 batches (~2 h left); cwe: aggregation 14 (~2.5-3 h) to run.
 #   8192 (`CTX=8192 nice bash scripts/sweeps_qwen.sh baselines ruler/niah_multikey_2`; the
-#   full cache answers 8 of 8 in ruler_8192_n8.jsonl): the full prefill ~50 s a sample
-#   (batches of 8: 380-690 s in the calibration), so ~45-80 min of shared prefill and 16
-#   cells of ~5 min: ~2.5 h; SnapKV's kernel stays 7 (the baselines' default), the papers'
-#   methods would take the kernel chosen on the 4096 dev samples.
+#   full cache answers 8 of 8 in ruler_8192_n8.jsonl): the full prefill ~95-100 s a sample
+#   alone in batches of 4 (MODEL.md; BATCH=4 by default at 8192, as the calibration ran), so
+#   ~80 min of shared prefill and 16 cells of ~5-8 min: ~3-3.5 h; SnapKV's kernel stays 7
+#   (the baselines' default).
+#
+# Qwen2.5-Coder-1.5B (MODEL=qwen2.5-coder-1.5b; records in docs/results/qwen2.5-coder-1.5b/):
+#   a 2048-token sample costs ~73 s of prefill here (MODEL.md), so ~150-200 s at 4096 and a
+#   task's shared prefill at n = 50 ~2.5 h. First `calibrate` (the full cache on RULER's
+#   samples 0-7 of niah_multikey_2 and cwe, ~25 min a task), then `key` on the tasks it
+#   solves: each paper's key comparison at 1/8 of 4096 (512), one shared prefill and 8 cells
+#   (~1 h): full, SnapKV, Ada-SnapKV, PyramidKV, H2O, StreamingLLM (the baselines' claims),
+#   LAVa (vs Ada-SnapKV), CriticalKV over SnapKV, D2O (vs H2O); SnapKV's kernel its default
+#   7 (a dev pooling sweep would cost another 2.5 h). ASL and SlimInfer run their own prefill
+#   (~2.5 h each): not in this plan. Declared (QWEN15_PAIRS in smollm2_results.py).
 #
 # The plan, against the cost measured on this machine (2 cores, float32):
 # - the full prefill of a batch of 8 RULER prompts at 4096 tokens: 497 s (62 s a sample,
@@ -88,10 +99,12 @@
 #   LazyLLM no worse than full, SlimInfer better than LazyLLM.
 set -u
 cd "$(dirname "$0")/.."
-D=docs/results/qwen2.5-coder-0.5b
+MODEL=${MODEL:-qwen2.5-coder-0.5b}  # MODEL=qwen2.5-coder-1.5b: the calibrate and key sections
+D=docs/results/$MODEL
 CTX=${CTX:-4096}  # CTX=8192 for the second length (its own calibration: ruler_8192*.jsonl)
-R="python -m kvjax.run --model qwen2.5-coder-0.5b --context $CTX --samples 50 --ruler-skip 16
-   --batch-size 8 --details --no-progress"
+BATCH=${BATCH:-$([ "$CTX" -gt 4096 ] && echo 4 || echo 8)}  # 8192: the calibration's batch
+R="python -m kvjax.run --model $MODEL --context $CTX --samples 50 --ruler-skip 16
+   --batch-size $BATCH --details --no-progress"
 
 solved() {  # the RULER tasks the full cache solves at $CTX in the calibration records
   python - "$D" "$CTX" <<'EOF'
@@ -114,6 +127,16 @@ run() {  # file, then arguments; the records (or a stopped sweep's batches) slim
   true
 }
 
+case "$MODEL:${1:-baselines}" in  # the 0.5B's sections read its dev choices (kernel, ASL)
+  qwen2.5-coder-0.5b:*|*:calibrate|*:key) ;;
+  *) echo "section ${1:-baselines} is the 0.5B model's; with MODEL=$MODEL: calibrate or key" >&2
+     exit 2 ;;
+esac
+if [ "${1:-}" = calibrate ]; then  # the full cache on RULER's samples 0-7 of the tasks
+  # judged on the 0.5B model (TASKS: niah_multikey_2 and cwe): ruler_<CTX>_n8.jsonl
+  exec python scripts/llm_card.py --model "$MODEL" --measure "ruler:$CTX" --samples 8 \
+    --tag n8 --ruler-tasks "${2:-ruler/niah_multikey_2,ruler/cwe}"
+fi
 TASKS=$(solved)
 [ -n "$TASKS" ] || { echo "no calibration records with a solved task in $D" >&2; exit 2; }
 if [ -n "${2:-}" ] && [ "${1:-}" != aggregation ]; then
@@ -190,5 +213,10 @@ case "${1:-baselines}" in
         --set asl.kernel=$K --set fastkv.kernel=$K --set gemfilter.kernel=$K $A
       run "prefill_slim_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 256 --method sliminfer,lazyllm
     done ;;
-  *) echo "unknown section $1: baselines, pooling, papers, d2o, d2o_ablation, aggregation, critical_co, asl_dev or prefill" >&2; exit 2 ;;
+  key)  # a larger model (MODEL=qwen2.5-coder-1.5b): each paper's key comparison at 1/8
+    for t in ${TASKS//,/ }; do
+      run "key_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512 \
+        --method full,snapkv,ada_snapkv,pyramidkv,h2o,streaming_llm,lava,critical_snapkv,d2o
+    done ;;
+  *) echo "unknown section $1: calibrate, baselines, pooling, papers, d2o, d2o_ablation, aggregation, critical_co, asl_dev, prefill or key" >&2; exit 2 ;;
 esac

@@ -312,6 +312,31 @@ def test_qwen_baselines_at_a_second_length(monkeypatch, tmp_path):
     assert {(r["context"], r["budget"]) for r in s.REGISTRY} == {(8192, "1/8"), (8192, "1/16")}
 
 
+def test_qwen15_key_comparisons(monkeypatch, tmp_path):
+    """The 1.5B model's sections: not measured before its `key` sweep, the prefill methods
+    outside its plan, then each page's declared pairs at 1/8 judged on the file's records
+    (registered under that model, so Holm is over its own comparisons)."""
+    import json
+
+    s = _qwen_renderer(monkeypatch, tmp_path, "lava")
+    monkeypatch.setattr(s, "QWEN15", tmp_path)
+    assert s.qwen15("lava").startswith("Not measured yet")
+    assert s.qwen15("asl").startswith("Not in this model's plan")
+    methods = {m for ab in s.QWEN15_PAIRS["lava"] for m in ab} | {"h2o"}
+    recs = [{"method": m, "budget": None if m == "full" else 512, "scenario": "question_aware",
+             "samples": 50, "accuracy": 0.5, "seed": 0, "task": "ruler/t",
+             "context_length": 4096, "ruler_skip": 16, "model": "qwen2.5-coder-1.5b",
+             "max_new_tokens": 8, "model_weights": {"sha256": "cd" * 32}, "kv_fraction": 0.1,
+             "ttft_s": 2.0, "ttft_own_s": 0.1, "tpot_s": 0.1, "prefill": "shared",
+             "method_params": {}, "details": [{"score": float(i % 2 == (m == "lava"))}
+                                              for i in range(50)]} for m in sorted(methods)]
+    (tmp_path / "key_t_4096.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    text = s.qwen15("lava")
+    assert "#### ruler/t" in text and "| h2o |" not in text  # the page's methods only
+    got = {(r["a"], r["b"], r["budget"], r["model"]) for r in s.REGISTRY}
+    assert got == {(a, b, "1/8", "qwen2.5-coder-1.5b") for a, b in s.QWEN15_PAIRS["lava"]}
+
+
 def test_slimmed_batches_keep_what_a_resume_and_the_pages_read(monkeypatch, tmp_path):
     """`--slim` on a sweep's batches file: per-batch layer budgets dropped, each sample's
     [L, K] budgets become per-layer sums, every other field kept, a cut-off line dropped."""
