@@ -552,9 +552,9 @@ def _under_way(pattern: str, folder=None) -> list[str]:
     return going
 
 
-def _resumes(going: list[str], section: str) -> str:
+def _resumes(going: list[str], section: str, env: str = "") -> str:
     """The unfinished sweeps and the command that resumes them."""
-    return f"{'; '.join(going)} (`nice bash scripts/sweeps_qwen.sh {section}` resumes it)."
+    return f"{'; '.join(going)} (`{env}nice bash scripts/sweeps_qwen.sh {section}` resumes it)."
 
 
 def _own_and_full(f, prefix: str, keep=lambda r: True) -> tuple[list[dict], object]:
@@ -589,33 +589,17 @@ QWEN15_PAIRS = {
 def qwen15(page: str, ctx: int = 4096) -> str:
     """A page's section on Qwen2.5-Coder-1.5B: per task of the `key` sweep, the page's
     methods and its declared comparisons (QWEN15_PAIRS) at 1/8; what is not run, said."""
-    folder = QWEN15
-    run = "`MODEL=qwen2.5-coder-1.5b nice bash scripts/sweeps_qwen.sh key`"
     if page not in QWEN15_PAIRS:
         return (f"Not in this model's plan: {page} runs its own prefill, ~2.5 h a method at "
                 f"n = 50 on 2 cores (scripts/sweeps_qwen.sh, its header).")
-    pairs = QWEN15_PAIRS[page]
-    shown = {m for ab in pairs for m in ab}
-    blocks = []
-    for f in sorted(folder.glob(f"key_*_{ctx}.jsonl")):
-        recs = [{**r, "_files": [str(f.relative_to(ROOT))]} for r in report.load_records(f)
-                if r["samples"] >= 50]
-        if not shown <= {r["method"] for r in recs}:
-            continue
-        skip = recs[0].get("ruler_skip", 0)
-        blocks.append(
-            f"#### {recs[0]['task']}\n\nRULER's samples {skip}-{skip + 49}, plain prompts, "
-            f"{ctx} tokens, question-aware, seed {recs[0]['seed']}; {report.model_line(recs)}; "
-            f"one shared prefill; SnapKV's pooling kernel its default 7. Records: "
-            f"`{f.relative_to(ROOT)}`.\n\n" + table(recs, shown) + "\n\n"
-            + claims(recs, [(a, b, {}, {}) for a, b in pairs], budgets(ctx)[:1]))
-    going = _under_way(f"key_*_{ctx}.jsonl.batches", folder)
-    if going:
-        blocks.append(f"Under way: {'; '.join(going)} ({run} resumes it).")
-    return ("\n\n".join(blocks) if blocks else
-            f"Not measured yet: the full cache's calibration on RULER's samples 0-7 "
-            f"(`MODEL=qwen2.5-coder-1.5b nice bash scripts/sweeps_qwen.sh calibrate`), then "
-            f"{run} on the tasks it solves (plan and cost: the script's header).")
+    blocks = _qwen_blocks("key", QWEN15_PAIRS[page], budgets(ctx)[:1],
+                          "1/8 of the context, SnapKV's pooling kernel its default 7",
+                          "key", ctx, folder=QWEN15)
+    return "\n\n".join(blocks) or (
+        "Not measured yet: the full cache's calibration on RULER's samples 0-7 "
+        "(`MODEL=qwen2.5-coder-1.5b nice bash scripts/sweeps_qwen.sh calibrate`), then "
+        "`MODEL=qwen2.5-coder-1.5b nice bash scripts/sweeps_qwen.sh key` on the tasks it "
+        "solves (plan and cost: the script's header).")
 
 
 QWEN_CONTEXTS = (4096, 8192)  # `CTX=8192 bash scripts/sweeps_qwen.sh baselines` for the second
@@ -809,15 +793,15 @@ def _qwen_layer_plot(recs: list[dict], page: str, ctx: int, at, suffix: str = ""
 
 
 def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 4096,
-                 want=lambda m: {}, plot: str | None = None) -> list[str]:
+                 want=lambda m: {}, plot: str | None = None, folder=None) -> list[str]:
     """A block per complete `<prefix>_<task>_<ctx>.jsonl` of `scripts/sweeps_qwen.sh
-    <section>`: its table and the declared `pairs` at the budgets `at`, methods with the
-    parameters `want(method)`, and the layer budgets of `plot`'s page (`_qwen_layer_plot`);
-    full from the file, else from the baselines sweep of the same samples. An unfinished
-    sweep says how far it is."""
+    <section>` in `folder` (QWEN's by default): the table of the methods in `pairs` and the
+    declared `pairs` at the budgets `at`, methods with the parameters `want(method)`, and
+    the layer budgets of `plot`'s page (`_qwen_layer_plot`); full from the file, else from
+    the baselines sweep of the same samples. An unfinished sweep says how far it is."""
     shown = {m for ab in pairs for m in ab}
     blocks = []
-    for f in sorted(QWEN.glob(f"{prefix}_*_{ctx}.jsonl")):
+    for f in sorted((folder or QWEN).glob(f"{prefix}_*_{ctx}.jsonl")):
         recs, _ = _own_and_full(f, prefix, lambda r: all(
             params(r).get(k) == v for k, v in want(r["method"]).items()))
         if not shown <= {r["method"] for r in recs}:
@@ -830,13 +814,14 @@ def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 40
             f"{report.model_line(recs)}; one shared prefill; budgets "
             f"{' and '.join(f'{b} ({x})' for b, x in at)} entries a layer and KV head. "
             f"Records: " + " and ".join(sorted({f"`{g}`" for r in recs for g in r["_files"]}))
-            + ".\n\n" + table(recs) + "\n\n"
+            + ".\n\n" + table(recs, shown | {"full"}) + "\n\n"
             + claims(recs, [(a, b, want(a), want(b)) for a, b in pairs], at,
                      recs[0]["scenario"])
             + (_qwen_layer_plot(recs, plot, ctx, at, "_" + prefix) if plot else ""))
-    going = _under_way(f"{prefix}_*_{ctx}.jsonl.batches")
-    return blocks + ([f"{title[0].upper() + title[1:]}: under way: {_resumes(going, section)}"]
-                     if going else [])
+    going = _under_way(f"{prefix}_*_{ctx}.jsonl.batches", folder)
+    env = f"MODEL={folder.name} " if folder not in (None, QWEN) else ""
+    return blocks + ([f"{title[0].upper() + title[1:]}: under way: "
+                      f"{_resumes(going, section, env)}"] if going else [])
 
 
 # scripts/sweeps_qwen.sh d2o: D2O at the paper's own cache shares (20% and 40% of the prompt)

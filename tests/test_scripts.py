@@ -332,7 +332,7 @@ def test_qwen15_key_comparisons(monkeypatch, tmp_path):
                                               for i in range(50)]} for m in sorted(methods)]
     (tmp_path / "key_t_4096.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     text = s.qwen15("lava")
-    assert "#### ruler/t" in text and "| h2o |" not in text  # the page's methods only
+    assert "#### ruler/t, 1/8" in text and "| h2o |" not in text  # the page's methods only
     got = {(r["a"], r["b"], r["budget"], r["model"]) for r in s.REGISTRY}
     assert got == {(a, b, "1/8", "qwen2.5-coder-1.5b") for a, b in s.QWEN15_PAIRS["lava"]}
 
