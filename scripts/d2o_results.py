@@ -10,7 +10,8 @@
 Accuracy: one `python -m kvjax.run --ratio <1 - rho> --task <tasks> --context 2048` per
 method (`d2o` without merging is `d2o` with `--set merge=false`), records in
 <out>/d2o_acc_<label>.json. Perplexity: a long text (`--ppl-text`: the synthetic haystack,
-`kvjax.tasks.haystack.long_text`, or Genesis in the King James Version, `kvjax.tasks.prose`)
+`kvjax.tasks.haystack.long_text`, Genesis in the King James Version or RULER's essays,
+`kvjax.tasks.prose`)
 is prefilled for `--prompt` tokens with each method's cache at rho of that prompt, then fed
 token by token (teacher forcing, `engine.extend` under jit, the method's decode hook
 evicting/merging at every step); NLL of every next token. `--ppl-only FILE` measures
@@ -112,7 +113,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--ppl-split", type=int, default=2048,
                    help="also report perplexity before/after this position (trained length)")
-    p.add_argument("--ppl-text", default="haystack", help="haystack or genesis")
+    p.add_argument("--ppl-text", default="haystack", help="haystack, genesis or essays")
     p.add_argument("--ppl-only", type=Path, metavar="FILE",
                    help="only the perplexity, appended as JSON lines to FILE (resumable)")
     a = p.parse_args()

@@ -862,7 +862,9 @@ def qwen_more(page: str, ctx: int = 4096) -> list[str]:
                             "40% and 20% of the context (D2O's own budgets)", "d2o", ctx,
                             plot="d2o") + \
             _qwen_blocks("ablation_d2o", QWEN_D2O_ABLATION_PAIRS, QWEN_D2O_AT[:1],
-                         "D2O's ablations at 40% of the context", "d2o_ablation", ctx)
+                         "D2O's ablations at 40% of the context", "d2o_ablation", ctx) + \
+            [f"#### Perplexity of a long text\n\n{ppl}" for ppl in [d2o_perplexity(QWEN)]
+             if ppl]
     if page == "lava":
         return _qwen_blocks("lava", QWEN_LAVA_TASK_PAIRS, budgets(ctx),
                             "aggregation (LAVa's claim and its ablations)", "aggregation", ctx,
@@ -1239,18 +1241,19 @@ def _mean_ci(xs) -> tuple[float, float, float]:
 
 # the paper's claims, then a reading of ours: D2O's layer budgets against uniform ones
 PPL_CLAIMS = [("d2o", "h2o"), ("d2o", "streaming_llm"), ("d2o", "d2o:merge=false"),
-              ("d2o", "d2o:variance_layers=false")]
+              ("d2o", "d2o:variance_layers=false"),
+              ("d2o", "roco"), ("d2o", "cam")]  # the paper's Table 1 baselines too
 
 
-def d2o_perplexity() -> str | None:
-    """Teacher-forced perplexity with each method's cache, from d2o_ppl_<text>.jsonl: each
-    with a 95% interval over its 128-token blocks (blocks, not tokens, are the unit:
-    neighbouring tokens are not independent), and the paper's claims as paired block
-    differences of mean NLL."""
+def d2o_perplexity(folder=None) -> str | None:
+    """Teacher-forced perplexity with each method's cache, from `folder`'s (SmolLM2's by
+    default) d2o_ppl_<text>.jsonl: each with a 95% interval over its 128-token blocks
+    (blocks, not tokens, are the unit: neighbouring tokens are not independent), and the
+    paper's claims as paired block differences of mean NLL."""
     import math
 
     blocks = []
-    for f in sorted(RECORDS.glob("d2o_ppl_*.jsonl")):
+    for f in sorted((folder or RECORDS).glob("d2o_ppl_*.jsonl")):
         # the whole span (the script also writes the spans before and after its --ppl-split)
         recs = [r for r in report.load_records(f)
                 if r.get("span", f"{r['prompt']}-{r['tokens']}") == f"{r['prompt']}-{r['tokens']}"]
@@ -1286,8 +1289,8 @@ def d2o_perplexity() -> str | None:
             f"at a time, each method evicting (and D2O merging) at every step; perplexity "
             f"over those {n} tokens, with a 95% interval over their "
             f"{len(r0['nll_blocks'])} blocks of 128 ({wall:.0f} min on 2 cores; `python "
-            f"scripts/d2o_results.py --model smollm2-135m --ppl-only "
-            f"docs/results/smollm2/{f.name} --ppl-text {r0['text']} --ppl-tokens "
+            f"scripts/d2o_results.py --model {r0['model']} --ppl-only "
+            f"{f.relative_to(ROOT)} --ppl-text {r0['text']} --ppl-tokens "
             f"{r0['tokens']} --prompt {r0['prompt']} --methods "
             f"{','.join(dict.fromkeys(r['label'] for r in recs))} --ratios "
             f"{','.join(f'{x:g}' for x in rhos)}`):\n\n" + "\n".join(rows)

@@ -4,7 +4,8 @@
 # docs/results/qwen2.5-coder-0.5b/, resumable: re-run this script (or one line of it) to
 # finish what a stop cut off; commit the records as they come.
 #   nice bash scripts/sweeps_qwen.sh [SECTION [TASKS]]  # SECTION: baselines (default),
-#       pooling, papers, d2o, d2o_ablation, aggregation, critical_co, asl_dev, prefill;
+#       pooling, papers, d2o, d2o_ablation, aggregation, critical_co, asl_dev, prefill,
+#       perplexity;
 #       with MODEL=qwen2.5-coder-1.5b: calibrate, then key;
 #       TASKS: a comma list of the solved tasks to run, in that order (default all;
 #       aggregation: ruler/cwe)
@@ -86,6 +87,12 @@
 #   forms at the kernel chosen, one shared prefill (~40 min) and 8 cells of ~6 min: ~1.5 h.
 #   Declared (QWEN_CRITICAL_CO_PAIRS): critical_snapkv better than SnapKV, critical_adakv
 #   better than Ada-SnapKV.
+# - perplexity: D2O's long-text claim (its PG-19 measurement) as on SmolLM2: Genesis and
+#   RULER's essays, the first 512 of 2048 tokens prefilled into each cache at rho 0.2 and
+#   0.4, the other 1536 fed one at a time; full, StreamingLLM, H2O, D2O, RoCo and CaM (11
+#   runs a text; SmolLM2 took 3 min a run, this model ~4x: ~2-2.5 h a text). Declared
+#   (PPL_CLAIMS, smollm2_results.py): D2O better than H2O, StreamingLLM, RoCo and CaM,
+#   judged over 128-token blocks.
 # - asl_dev: ASL's relative rank variance on the dev samples at tau = 1e-6 (never selects),
 #   its own prefill, ~50 min; the rule that reads it (`smollm2_results.py --qwen-asl`,
 #   declared before it ran): the defaults if >= 25 of 50 prompts select at tau 0.3, else
@@ -213,10 +220,16 @@ case "${1:-baselines}" in
         --set asl.kernel=$K --set fastkv.kernel=$K --set gemfilter.kernel=$K $A
       run "prefill_slim_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 256 --method sliminfer,lazyllm
     done ;;
+  perplexity)  # D2O's long-text claim: teacher-forced perplexity, one text a run
+    for text in genesis essays; do
+      python scripts/d2o_results.py --model "$MODEL" --ppl-only "$D/d2o_ppl_$text.jsonl" \
+        --ppl-text $text --ppl-tokens 2048 --prompt 512 --ratios 0.2,0.4 \
+        --methods full,streaming_llm,h2o,d2o,roco,cam
+    done ;;
   key)  # a larger model (MODEL=qwen2.5-coder-1.5b): each paper's key comparison at 1/8
     for t in ${TASKS//,/ }; do
       run "key_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512 \
         --method full,snapkv,ada_snapkv,pyramidkv,h2o,streaming_llm,lava,critical_snapkv,d2o
     done ;;
-  *) echo "unknown section $1: calibrate, baselines, pooling, papers, d2o, d2o_ablation, aggregation, critical_co, asl_dev, prefill or key" >&2; exit 2 ;;
+  *) echo "unknown section $1: calibrate, baselines, pooling, papers, d2o, d2o_ablation, aggregation, critical_co, asl_dev, prefill, perplexity or key" >&2; exit 2 ;;
 esac

@@ -470,6 +470,16 @@ def test_prose_texts_are_exact_or_refused():
         prose.text_ids("pg19", words, 10)
 
 
+def test_ruler_essays_are_a_perplexity_text():
+    """RULER's essay haystack, from the installed package, as a perplexity text."""
+    pytest.importorskip("long_context_eval")
+    from kvjax.tasks import prose
+
+    words = lambda s: s.split()  # noqa: E731
+    assert prose.essays().startswith("April 2012A palliative care nurse")
+    assert prose.text_ids("essays", words, 6) == "April 2012A palliative care nurse called".split()[:6]
+
+
 @pytest.mark.parametrize("kw,bad", [({"context_length": -10}, "context_length=-10"),
                                     ({"n": -3}, "n=-3"), ({"n": 2.5}, "n=2.5")])
 def test_generate_names_a_bad_count(kw, bad):
