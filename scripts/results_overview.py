@@ -500,9 +500,9 @@ def verdict_screen(results: Path) -> list[str]:
 def _arms(r: dict) -> str:
     """a vs b in the row's unit: accuracy %, or the NLL a token or the mean summed output
     perturbation (lower better; the registry's units are negated)."""
-    if r.get("metric") in ("nll", "perturbation"):
-        return f"{r['metric'].upper() if r['metric'] == 'nll' else r['metric']} " \
-            f"{-r['a_acc']:.3g} vs {-r['b_acc']:.3g}"
+    unit = {"nll": "NLL", "perturbation": "perturbation"}.get(r.get("metric"))
+    if unit:
+        return f"{unit} {-r['a_acc']:.3g} vs {-r['b_acc']:.3g}"
     return f"{100 * r['a_acc']:.0f} vs {100 * r['b_acc']:.0f}"
 
 

@@ -609,11 +609,11 @@ def qwen_baselines() -> str:
     """Qwen2.5-Coder-0.5B's baselines at each of QWEN_CONTEXTS on each RULER task its full
     cache solves there (`scripts/sweeps_qwen.sh baselines`): a table and the declared
     comparisons per task whose sweep is complete; a sweep under way says how far it is."""
-    blocks, going, at = [], [], [QWEN_CONTEXTS[0]]
-    for ctx in QWEN_CONTEXTS:
-        blocks += _qwen_baseline_blocks(ctx)
-        going += _under_way(f"baselines_*_{ctx}.jsonl.batches")
-        at += [ctx] if ctx not in at and any(QWEN.glob(f"baselines_*_{ctx}.jsonl*")) else []
+    blocks = [b for ctx in QWEN_CONTEXTS for b in _qwen_baseline_blocks(ctx)]
+    going = [g for ctx in QWEN_CONTEXTS for g in _under_way(f"baselines_*_{ctx}.jsonl.batches")]
+    # the first length always (the plan's), the others once a sweep at them exists
+    at = [c for i, c in enumerate(QWEN_CONTEXTS)
+          if i == 0 or any(QWEN.glob(f"baselines_*_{c}.jsonl*"))]
     head = ("The eight baselines at 1/8 and 1/16 of the context on the RULER tasks "
             f"Qwen2.5-Coder-0.5B's full cache solves at {' and '.join(map(str, at))} (MODEL.md, "
             "`qwen2.5-coder-0.5b-ruler`), SnapKV's pooling kernel at its default 7, methods "
