@@ -879,7 +879,8 @@ QWEN_PREFILL = {
             ((512, "1/8"),)),
     "sliminfer": ("prefill_slim", [("sliminfer", "full"), ("lazyllm", "full"),
                                    ("sliminfer", "lazyllm")],
-                  ((256, "1024/512/256 tokens: the paper's schedule"),)),
+                  ((256, "1024/512/256 tokens: the paper's schedule"),
+                   (512, "2048/1024/512 tokens: twice the paper's shares"))),
 }
 
 
@@ -905,16 +906,18 @@ def qwen_prefill(page: str, ctx: int = 4096) -> str | None:
                      f"variance after L_min reached {low.min():.2f} at the lowest (median over "
                      f"the prompts of each one's lowest: {np.median(low):.2f}).")
         else:
-            needle = _needle_text(next(r for r in recs if r["method"] == "sliminfer"))
-            if needle:
-                fired = f" SlimInfer (`answer_span` against `kept_blocks`): {needle}."
+            needles = [f"at {r['budget']}, {t}" for r in recs if r["method"] == "sliminfer"
+                       for t in [_needle_text(r)] if t]
+            if needles:
+                fired = f" SlimInfer (`answer_span` against `kept_blocks`): {'; '.join(needles)}."
         blocks.append(
             f"#### {recs[0]['task']}\n\nRULER's samples {skip}-{skip + 49}, plain prompts, "
             f"{ctx} tokens, question-aware, seed {recs[0]['seed']}; {report.model_line(recs)}; "
             f"each method its own prefill. Records: `{f.relative_to(ROOT)}` and, for full, "
             f"`{base.relative_to(ROOT)}`.{fired}\n\n" + table(recs) + "\n\n"
             + claims(recs, [(a, b, {}, {}) for a, b in pairs], at)
-            + (_slim_decode(recs) if page == "sliminfer" else ""))
+            + (_slim_decode(recs) if page == "sliminfer" else "")
+            + (_qwen_asl_variants(f, recs, ctx) if page == "asl" else ""))
     dev = qwen_asl_dev(ctx=ctx) if page == "asl" else None
     going = _under_way(f"{prefix}_*_{ctx}.jsonl.batches")
     if not blocks and not dev and not going:
@@ -925,7 +928,36 @@ def qwen_prefill(page: str, ctx: int = 4096) -> str | None:
             + "\n\n".join(([dev] if dev else []) + blocks
                           + ([("Under way: " if blocks else "Not judged yet: ")
                               + _resumes(going, "prefill ruler/niah_multikey_2")]
-                             if going else [])))
+                             if going else [])
+                          + [f"Under way: {_resumes(variants, 'asl_variants')}"
+                             for variants in [page == "asl" and _under_way(
+                                 f"asl_variants_*_{ctx}.jsonl.batches")] if variants]))
+
+
+# scripts/sweeps_qwen.sh asl_variants: the paper's other two forms of ASL, each its own
+# prefill, against what they vary (same samples, prefill_asl's records)
+QWEN_ASL_VARIANT_PAIRS = [("asl_2pass", "gemfilter"), ("asl_full_before", "asl")]
+
+
+def _qwen_asl_variants(f, recs: list[dict], ctx: int) -> str:
+    """asl_2pass (ASL's selection, then GemFilter's second pass) and asl_full_before (the
+    full KV up to the selection layer) beside prefill_asl's records `recs` of file `f`."""
+    g = f.with_name("asl_variants_" + f.name[len("prefill_asl_"):])
+    own = [{**r, "_files": [str(g.relative_to(ROOT))]} for r in
+           (report.load_records(g) if g.exists() else []) if r["samples"] >= 50]
+    shown = {a for a, _ in QWEN_ASL_VARIANT_PAIRS}
+    if not shown <= {r["method"] for r in own}:
+        return ""
+    every = own + recs
+    return (f"\n\n**ASL's other forms** (`scripts/sweeps_qwen.sh asl_variants`, `{g.relative_to(ROOT)}`, "
+            "the same samples, reading and kernel): asl_2pass runs the model again from "
+            "layer 0 on the selected tokens (ASL + GemFilter); asl_full_before keeps the full "
+            "KV up to the selection layer. Selection layers: asl_2pass "
+            + _asl_layers(own, "asl_2pass") + "; asl_full_before "
+            + _asl_layers(own, "asl_full_before") + ".\n\n"
+            + table(every, shown | {"full", "asl", "gemfilter"}) + "\n\n"
+            + claims(every, [(a, b, {}, {}) for a, b in QWEN_ASL_VARIANT_PAIRS],
+                     QWEN_PREFILL["asl"][2]))
 
 
 def qwen_asl_dev(task: str = "niah_multikey_2", ctx: int = 4096) -> str | None:
@@ -1421,10 +1453,10 @@ def _prefill_cost(recs: list[dict], ctx: int) -> str:
             "each layer ran; TTFT per batch of 8): " + "; ".join(parts) + ".\n\n")
 
 
-def _asl_layers(recs: list[dict]) -> str:
+def _asl_layers(recs: list[dict], method: str = "asl") -> str:
     import collections
 
-    r = next(r for r in recs if r["method"] == "asl")
+    r = next(r for r in recs if r["method"] == method)
     fell = sum(bool(d.get("fallback_snapkv")) for d in r["details"])
     at = collections.Counter(d.get("selection_layer") for d in r["details"]
                              if d.get("selection_layer") not in (-1, None))

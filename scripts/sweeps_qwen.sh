@@ -5,7 +5,7 @@
 # finish what a stop cut off; commit the records as they come.
 #   nice bash scripts/sweeps_qwen.sh [SECTION [TASKS]]  # SECTION: baselines (default),
 #       pooling, papers, d2o, d2o_ablation, aggregation, critical_co, asl_dev, prefill,
-#       perplexity;
+#       asl_variants, perplexity;
 #       with MODEL=qwen2.5-coder-1.5b: calibrate, then key;
 #       TASKS: a comma list of the solved tasks to run, in that order (default all;
 #       aggregation: ruler/cwe)
@@ -21,8 +21,10 @@
 #   8192 (`CTX=8192 nice bash scripts/sweeps_qwen.sh baselines ruler/niah_multikey_2`; the
 #   full cache answers 8 of 8 in ruler_8192_n8.jsonl): the full prefill ~95-100 s a sample
 #   alone in batches of 4 (MODEL.md; BATCH=4 by default at 8192, as the calibration ran), so
-#   ~80 min of shared prefill and 16 cells of ~5-8 min: ~3-3.5 h; SnapKV's kernel stays 7
-#   (the baselines' default).
+#   ~80 min of shared prefill and 16 cells of ~5-8 min: ~3-3.5 h; budgets 1/8 and 1/16 of
+#   8192 (1024, 512: every section's budgets are shares of $CTX), SnapKV's kernel stays 7
+#   (the baselines' default). Batch 4 fits: each method's replay buffers compile to
+#   <= 0.3 GB of temporaries (XLA's memory_analysis, 2026-11-29).
 #
 # Qwen2.5-Coder-1.5B (MODEL=qwen2.5-coder-1.5b; records in docs/results/qwen2.5-coder-1.5b/):
 #   a 2048-token sample costs ~73 s of prefill here (MODEL.md), so ~150-200 s at 4096 and a
@@ -101,15 +103,25 @@
 #   method at n = 50 alone, ~3.5 h a task): ASL, FastKV and GemFilter selecting 512 tokens
 #   (1/8); SlimInfer and LazyLLM keeping 1024, 512 and 256 tokens after their three pruning
 #   layers (`--budget 256`: the paper's 8k, 4k, 2k of 32k scaled to 4096, 16/8/4 blocks of
-#   64, which is also SlimInfer's default here: kvjax's 3-block floor does not bind).
+#   64, which is also SlimInfer's default here: kvjax's 3-block floor does not bind), and
+#   (added 2026-11-29, after both sat at the floor there: 10% and 0%) 2048, 1024 and 512
+#   (`--budget 512`, twice the paper's shares), where the mechanism can be told from
+#   LazyLLM's (~40 min more: SlimInfer's host-offloaded decode takes ~20 s a step).
 #   Declared: ASL better than FastKV and GemFilter and no worse than full; SlimInfer and
 #   LazyLLM no worse than full, SlimInfer better than LazyLLM.
+# - asl_variants: the paper's two other forms of ASL on prefill's samples, reading and kernel,
+#   each its own prefill (~40 min a method alone at n = 50: ~1.5 h a task): asl_2pass (ASL's
+#   selection, then the model again from layer 0 on the selected tokens, as GemFilter) and
+#   asl_full_before (the full KV up to the selection layer). Declared
+#   (QWEN_ASL_VARIANT_PAIRS): asl_2pass better than GemFilter, asl_full_before better than
+#   ASL (the full KV before the selection should only help).
 set -u
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-qwen2.5-coder-0.5b}  # MODEL=qwen2.5-coder-1.5b: the calibrate and key sections
 D=docs/results/$MODEL
 CTX=${CTX:-4096}  # CTX=8192 for the second length (its own calibration: ruler_8192*.jsonl)
 BATCH=${BATCH:-$([ "$CTX" -gt 4096 ] && echo 4 || echo 8)}  # 8192: the calibration's batch
+B8=$((CTX / 8)) B16=$((CTX / 16))  # the budgets 1/8 and 1/16 (512 and 256 of 4096)
 R="python -m kvjax.run --model $MODEL --context $CTX --samples 50 --ruler-skip 16
    --batch-size $BATCH --details --no-progress"
 
@@ -155,14 +167,14 @@ fi
 case "${1:-baselines}" in
   baselines)
     for t in ${TASKS//,/ }; do
-      run "baselines_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512,256 \
+      run "baselines_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B8,$B16 \
         --method full,snapkv,ada_snapkv,pyramidkv,ada_pyramidkv,h2o,tova,streaming_llm
     done ;;
   pooling)  # SnapKV's kernel chosen on a dev seed: RULER's samples 66-115, judged elsewhere
     for t in ${TASKS//,/ }; do
       for k in 7 17; do
         R=${R/--ruler-skip 16/--ruler-skip 66} run "dev_pool_k${k}_${t#ruler/}_$CTX.jsonl" \
-          --task "$t" --budget 512,256 --method snapkv,ada_snapkv --set kernel=$k
+          --task "$t" --budget $B8,$B16 --method snapkv,ada_snapkv --set kernel=$k
       done
     done ;;
   papers)
@@ -177,16 +189,16 @@ case "${1:-baselines}" in
       done
     fi
     for t in ${TASKS//,/ }; do
-      run "papers_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512,256 --method "$M" "${SETS[@]}"
+      run "papers_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B8,$B16 --method "$M" "${SETS[@]}"
     done ;;
   d2o)
     for t in ${TASKS//,/ }; do
-      run "d2o_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 1638,819 \
+      run "d2o_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $((CTX * 2 / 5)),$((CTX / 5)) \
         --method d2o,d2o_code,h2o,streaming_llm
     done ;;
   d2o_ablation)
     for t in ${TASKS//,/ }; do
-      run "ablation_d2o_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 1638 \
+      run "ablation_d2o_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $((CTX * 2 / 5)) \
         --method d2o,d2o_uniform_layers,d2o_no_merge
     done ;;
   aggregation)
@@ -196,12 +208,12 @@ case "${1:-baselines}" in
     for m in ${M//,/ }; do [ $m = full ] || SETS+=(--set "$m.kernel=$K"); done
     T=${2:-ruler/cwe}
     for t in ${T//,/ }; do
-      run "lava_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512,256 --method "$M" "${SETS[@]}"
+      run "lava_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B8,$B16 --method "$M" "${SETS[@]}"
     done ;;
   critical_co)
     K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
     for t in ${TASKS//,/ }; do
-      run "critical_co_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 2048,1638 --scenario context_only \
+      run "critical_co_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $((CTX / 2)),$((CTX * 2 / 5)) --scenario context_only \
         --method snapkv,ada_snapkv,critical_snapkv,critical_adakv --set kernel=$K
     done ;;
   asl_dev)  # ASL's relative rank variance on the dev samples, tau = 1e-6: it never selects,
@@ -210,15 +222,23 @@ case "${1:-baselines}" in
     K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
     for t in ${TASKS//,/ }; do
       R=${R/--ruler-skip 16/--ruler-skip 66} run "dev_asl_default_${t#ruler/}_$CTX.jsonl" \
-        --task "$t" --budget 512 --method asl --set kernel=$K --set tau=1e-6
+        --task "$t" --budget $B8 --method asl --set kernel=$K --set tau=1e-6
     done ;;
   prefill)
     K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
     A=$(python scripts/smollm2_results.py --qwen-asl) || exit 2
     for t in ${TASKS//,/ }; do
-      run "prefill_asl_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512 --method asl,fastkv,gemfilter \
+      run "prefill_asl_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B8 --method asl,fastkv,gemfilter \
         --set asl.kernel=$K --set fastkv.kernel=$K --set gemfilter.kernel=$K $A
-      run "prefill_slim_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 256 --method sliminfer,lazyllm
+      run "prefill_slim_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B16,$B8 --method sliminfer,lazyllm
+    done ;;
+  asl_variants)  # the paper's other forms of ASL, each its own prefill, on prefill_asl's
+    # samples, reading and kernel (global --set: both have rank_from and kernel)
+    K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
+    A=$(python scripts/smollm2_results.py --qwen-asl) || exit 2
+    for t in ${TASKS//,/ }; do
+      run "asl_variants_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B8 \
+        --method asl_2pass,asl_full_before --set kernel=$K ${A//asl./}
     done ;;
   perplexity)  # D2O's long-text claim: teacher-forced perplexity, one text a run
     for text in genesis essays; do
@@ -228,8 +248,8 @@ case "${1:-baselines}" in
     done ;;
   key)  # a larger model (MODEL=qwen2.5-coder-1.5b): each paper's key comparison at 1/8
     for t in ${TASKS//,/ }; do
-      run "key_${t#ruler/}_$CTX.jsonl" --task "$t" --budget 512 \
+      run "key_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B8 \
         --method full,snapkv,ada_snapkv,pyramidkv,h2o,streaming_llm,lava,critical_snapkv,d2o
     done ;;
-  *) echo "unknown section $1: calibrate, baselines, pooling, papers, d2o, d2o_ablation, aggregation, critical_co, asl_dev, prefill, perplexity or key" >&2; exit 2 ;;
+  *) echo "unknown section $1: calibrate, baselines, pooling, papers, d2o, d2o_ablation, aggregation, critical_co, asl_dev, prefill, asl_variants, perplexity or key" >&2; exit 2 ;;
 esac

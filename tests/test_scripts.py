@@ -174,6 +174,19 @@ def test_qwen_prefill_pages_judge_their_pairs_and_say_where_the_needle_went(monk
     text = s.qwen_prefill("asl")
     assert "50 of 50 prompts never crossed tau = 0.3" in text
     assert "reached 0.60 at the lowest (median over the prompts of each one's lowest: 1.09)" in text
+    assert "ASL's other forms" not in text  # asl_variants not run
+    # asl_variants: judged against prefill_asl's GemFilter and ASL on the same samples
+    write("asl_variants_t_4096.jsonl",
+          [rec("asl_2pass", 512, [{**d, "score": 1.0} for d in asl], tau=0.3, kernel=7),
+           rec("asl_full_before", 512, [{**d, "selection_layer": 10, "fallback_snapkv": False}
+                                        for d in asl], tau=0.3, kernel=7)])
+    s.REGISTRY.clear()
+    text = s.qwen_prefill("asl")
+    assert "asl_full_before 0 of 50 prompts never crossed tau = 0.3" in text
+    assert "layers chosen otherwise (prompts): 10 (50)" in text
+    got = {(r["a"], r["b"]): r for r in s.REGISTRY}
+    assert got["asl_2pass", "gemfilter"]["a_wins"] == 50
+    assert got["asl_full_before", "asl"]["a_wins"] == 0
 
 
 def test_qwen_asl_reading_is_chosen_on_the_dev_run_by_the_declared_rule(monkeypatch, tmp_path,
@@ -430,3 +443,40 @@ def test_perturbation_measures_several_kept_sets_in_one_prefill(monkeypatch, tmp
     assert [(r["samples"], r["sample"]) for r in recs] == [(2, 0), (2, 1), (3, 0), (3, 1),
                                                            (3, 2)]
     assert len(recs[0]["question_base"]) == m.cfg.num_layers
+
+
+def test_qwen_sweeps_take_their_budgets_as_shares_of_the_context(tmp_path):
+    """scripts/sweeps_qwen.sh with a `python` that records the sweeps it is asked to run (and
+    runs the rest: the calibration's solved tasks, the dev choices read from the records):
+    each section's budgets are shares of CTX (at 8192 the baselines run 1/8 and 1/16, 1024
+    and 512, as the page judges them), batches of 4 there, and asl_variants reads ASL's dev
+    choice for both forms."""
+    import os
+    import subprocess
+
+    root = Path(__file__).parent.parent
+    log = tmp_path / "runs.txt"
+    stub = tmp_path / "bin" / "python"
+    stub.parent.mkdir()
+    stub.write_text(f"""#!/bin/bash
+case "$*" in
+  "-m kvjax.run"*|*"--slim"*) echo "$*" >> {log}; exit 0 ;;
+esac
+exec {sys.executable} "$@"
+""")
+    stub.chmod(0o755)
+
+    def runs(section, **env):
+        log.unlink(missing_ok=True)
+        subprocess.run(["bash", "scripts/sweeps_qwen.sh", *section], cwd=root, check=True,
+                       env={**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}", **env})
+        return [line for line in log.read_text().splitlines() if "kvjax.run" in line]
+
+    (line,) = runs(["baselines", "ruler/niah_multikey_2"], CTX="8192")
+    assert "--context 8192" in line and "--batch-size 4" in line
+    assert "--budget 1024,512 " in line and "baselines_niah_multikey_2_8192.jsonl" in line
+    (line,) = runs(["critical_co", "ruler/niah_multikey_2"])
+    assert "--budget 2048,1638 " in line and "--context 4096" in line
+    (line,) = runs(["asl_variants", "ruler/niah_multikey_2"])
+    assert "--method asl_2pass,asl_full_before --set kernel=17 --set rank_from=l_min" in line
+    assert "--budget 512 " in line
