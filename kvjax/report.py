@@ -36,6 +36,17 @@ def _records(path: Path) -> list[dict]:
     return [r for _, r in read_jsonl(path)]
 
 
+PREDICTION_FIELDS = ("line", "id", "dataset", "prediction", "score")
+
+
+def predictions(r: dict) -> list[dict]:
+    """A benchmark record's predictions (file line, id, dataset, prediction, score a
+    sample): its `predictions`, or where it has details (`--details`) theirs."""
+    if r.get("predictions") is not None:
+        return r["predictions"]
+    return [{k: d[k] for k in PREDICTION_FIELDS} for d in r["details"]]
+
+
 def is_complete(path: str | Path) -> bool:
     """Whether a `kvjax.run` output holds every record its command asked for. A JSON
     output says so (`"complete"`; files older than the field were written only when

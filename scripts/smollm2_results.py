@@ -814,7 +814,7 @@ def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 40
             f"{report.model_line(recs)}; one shared prefill; budgets "
             f"{' and '.join(f'{b} ({x})' for b, x in at)} entries a layer and KV head. "
             f"Records: " + " and ".join(sorted({f"`{g}`" for r in recs for g in r["_files"]}))
-            + ".\n\n" + table(recs, shown | {"full"}) + "\n\n"
+            + ".\n\n" + table(recs, shown | {"full"}, recs[0]["scenario"]) + "\n\n"
             + claims(recs, [(a, b, want(a), want(b)) for a, b in pairs], at,
                      recs[0]["scenario"])
             + (_qwen_layer_plot(recs, plot, ctx, at, "_" + prefix) if plot else ""))
@@ -1698,7 +1698,8 @@ def slim(path: Path, every: bool = False) -> None:
     `layer_budgets` and the per-sample ones ([L, K] a sample; Ada-SnapKV's per-head counts
     were 25 KB a record; where a sample's layers differ their sums over heads stay), and
     each per-batch statistic every sample's details repeat (SlimInfer's kept blocks: 0.8 MB
-    a record; `kvjax.run` no longer writes them twice). With `every` also each
+    a record; `kvjax.run` no longer writes them twice), and the benchmark records'
+    `predictions` where the details hold the same (cwe's: 0.3 MB a file). With `every` also each
     per-sample statistic over 512 bytes (LazyLLM's kept blocks, D2O's thresholds, LAVa's
     layer weights: up to 15 KB a sample); the pages read accuracy, budgets, timings, the
     selection layers, and each sample's entries per layer summed over its heads
@@ -1724,6 +1725,10 @@ def slim(path: Path, every: bool = False) -> None:
         # a batch at a time what every sample carries already (as `kvjax.run` now writes)
         for k in set(stats).intersection(*details) if details else ():
             stats.pop(k)
+        # each prediction where the details hold it (as `kvjax.run --details` now writes)
+        if details and r.get("predictions") and r["predictions"] == report.predictions(
+                {"details": details}):
+            r.pop("predictions")
         if every:
             for d in details:
                 for k in [k for k, v in d.items() if len(json.dumps(v)) > 512]:

@@ -49,7 +49,7 @@ def _rescored(rec, path) -> None:
     """Each kept prediction scores, with the file's metric, what the record says; the
     accuracy is their mean."""
     samples = {s.meta["line"]: s for s in loaders.load_benchmark(rec["benchmark"]["kind"], path)}
-    preds = rec["predictions"]
+    preds = report.predictions(rec)
     assert len(preds) == rec["samples"]
     for p in preds:
         assert tasks.score_sample(samples[p["line"]], p["prediction"]) == p["score"]
@@ -65,9 +65,9 @@ def test_ruler_file(model_dir, tmp_path, capsys):
     assert rec["benchmark"] == {"kind": "ruler", "path": str(RULER_QA.resolve()),
                                 "sha256": loaders.sha256(RULER_QA), "records_in_file": 3,
                                 "fraction": 1.0, "metric": ["ruler_string_match_part"]}
-    assert [(p["line"], p["id"]) for p in rec["predictions"]] == [(1, 0), (2, 1), (3, 2)]
-    assert [d["prediction"] for d in rec["details"]] == [p["prediction"] for p in
-                                                         rec["predictions"]]
+    # with --details the details hold each prediction, the record no second copy
+    assert "predictions" not in rec
+    assert [(p["line"], p["id"]) for p in report.predictions(rec)] == [(1, 0), (2, 1), (3, 2)]
     assert rec["job"]["file_sha256"] == loaders.sha256(RULER_QA)
     assert rec["prompt_tokens"]["max"] > 20
     _rescored(rec, RULER_QA)

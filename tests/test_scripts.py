@@ -301,6 +301,8 @@ def test_qwen_d2o_shares_and_lava_aggregation_judge_their_declared_pairs(monkeyp
                         for x in ("1/2", "2/5")}
     assert got["critical_adakv[kernel=17]", "ada_snapkv[kernel=17]", "2/5"]["a_wins"] == 4
     assert "context-only, seed" in text
+    # the table shows the file's context-only rows (it once showed full's alone)
+    assert "| critical_adakv (kernel 17) | 1638 | 48 [" in text
 
 
 def test_qwen_baselines_at_a_second_length(monkeypatch, tmp_path):
@@ -383,6 +385,15 @@ def test_slimmed_records_keep_one_copy_of_each_statistic(monkeypatch, tmp_path):
     (got,) = [json.loads(line) for line in f.read_text().splitlines()]
     assert got["method_stats"] == {"some": [[1, 2]], "batch": [3]}
     assert got["details"] == rec["details"]
+    # a benchmark record's predictions go where the details hold the same, else stay
+    said = {"line": 1, "id": 0, "dataset": "cwe", "prediction": "a b", "score": 0.5}
+    for preds, kept in (([said], False), ([{**said, "prediction": "c"}], True)):
+        f.write_text(json.dumps({"method": "m", "budget": 4, "predictions": preds,
+                                 "details": [{**said, "depth": 0.5}]}) + "\n")
+        s.main(["--slim", str(f)])
+        (got,) = [json.loads(line) for line in f.read_text().splitlines()]
+        assert ("predictions" in got) == kept
+        assert s.report.predictions(got) == preds
 
 
 def test_perturbation_claims_are_the_records_models(monkeypatch, tmp_path):

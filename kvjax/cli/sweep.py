@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 
+from kvjax import report
 from kvjax.cli.args import TaskSpec, UsageError, check_tasks
 from kvjax.cli.records import BULKY_STATS, machine, versions
 from kvjax.cli.schema import Record, Weights
@@ -533,7 +534,9 @@ def _sample_id(s) -> dict:
 def _benchmark_fields(d: Prompts, per_sample: list[dict], args) -> dict:
     """A benchmark record's extra fields: the file it was measured on (path, sha256, how
     many of its records ran), the prompt lengths, the score per dataset, and every
-    prediction (with `--details` or not), so a result can be rescored and checked."""
+    prediction, so a result can be rescored and checked: `predictions`, or with
+    `--details` the details, which carry the same fields (`report.predictions` reads
+    either; RULER's cwe wrote 0.3 MB a file twice)."""
     by: dict[str, list[float]] = {}
     for r in per_sample:
         by.setdefault(r["dataset"], []).append(r["score"])
@@ -542,8 +545,7 @@ def _benchmark_fields(d: Prompts, per_sample: list[dict], args) -> dict:
                       "records_in_file": d.in_file, "fraction": args.fraction or 1.0,
                       "metric": sorted({s.metric for s in d.samples})},
         "accuracy_by_dataset": {k: float(np.mean(v)) for k, v in sorted(by.items())},
-        "predictions": [{k: r[k] for k in ("line", "id", "dataset", "prediction", "score")}
-                        for r in per_sample],
+        **({} if args.details else {"predictions": report.predictions({"details": per_sample})}),
     }
 
 
