@@ -793,18 +793,22 @@ def _qwen_layer_plot(recs: list[dict], page: str, ctx: int, at, suffix: str = ""
 
 
 def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 4096,
-                 want=lambda m: {}, plot: str | None = None, folder=None) -> list[str]:
+                 want=lambda m: {}, plot: str | None = None, folder=None,
+                 later=()) -> list[str]:
     """A block per complete `<prefix>_<task>_<ctx>.jsonl` of `scripts/sweeps_qwen.sh
     <section>` in `folder` (QWEN's by default): the table of the methods in `pairs` and the
     declared `pairs` at the budgets `at`, methods with the parameters `want(method)`, and
     the layer budgets of `plot`'s page (`_qwen_layer_plot`); full from the file, else from
-    the baselines sweep of the same samples. An unfinished sweep says how far it is."""
-    shown = {m for ab in pairs for m in ab}
+    the baselines sweep of the same samples; `later` pairs (added to a sweep after it ran)
+    where the file has them. An unfinished sweep says how far it is."""
     blocks = []
     for f in sorted((folder or QWEN).glob(f"{prefix}_*_{ctx}.jsonl")):
         recs, _ = _own_and_full(f, prefix, lambda r: all(
             params(r).get(k) == v for k, v in want(r["method"]).items()))
-        if not shown <= {r["method"] for r in recs}:
+        have = {r["method"] for r in recs}
+        here = [*pairs, *(ab for ab in later if set(ab) <= have)]
+        shown = {m for ab in here for m in ab}
+        if not shown <= have:
             continue
         skip = recs[0].get("ruler_skip", 0)
         blocks.append(
@@ -815,7 +819,7 @@ def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 40
             f"{' and '.join(f'{b} ({x})' for b, x in at)} entries a layer and KV head. "
             f"Records: " + " and ".join(sorted({f"`{g}`" for r in recs for g in r["_files"]}))
             + ".\n\n" + table(recs, shown | {"full"}, recs[0]["scenario"]) + "\n\n"
-            + claims(recs, [(a, b, want(a), want(b)) for a, b in pairs], at,
+            + claims(recs, [(a, b, want(a), want(b)) for a, b in here], at,
                      recs[0]["scenario"])
             + (_qwen_layer_plot(recs, plot, ctx, at, "_" + prefix) if plot else ""))
     going = _under_way(f"{prefix}_*_{ctx}.jsonl.batches", folder)
@@ -829,6 +833,9 @@ def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 40
 QWEN_D2O_PAIRS = [("d2o", "full"), ("d2o", "h2o"), ("d2o", "streaming_llm"),
                   ("d2o_code", "h2o"), ("d2o_code", "streaming_llm")]
 QWEN_D2O_AT = ((1638, "40%"), (819, "20%"))  # of 4096
+# and the merging baselines of D2O's Table 1, added to the sweep after it ran (2026-11-29):
+# judged once their cells are in the file
+QWEN_D2O_MERGE_PAIRS = [("d2o", "roco"), ("d2o", "cam")]
 # scripts/sweeps_qwen.sh d2o_ablation: which of D2O's parts a loss comes from (its layer
 # sizes: Table 6's "w.o. Layer Operation"; its merging), at 40%, where it left the floor;
 # D2O itself re-run beside them
@@ -860,7 +867,7 @@ def qwen_more(page: str, ctx: int = 4096) -> list[str]:
     if page == "d2o":
         return _qwen_blocks("d2o", QWEN_D2O_PAIRS, QWEN_D2O_AT,
                             "40% and 20% of the context (D2O's own budgets)", "d2o", ctx,
-                            plot="d2o") + \
+                            plot="d2o", later=QWEN_D2O_MERGE_PAIRS) + \
             _qwen_blocks("ablation_d2o", QWEN_D2O_ABLATION_PAIRS, QWEN_D2O_AT[:1],
                          "D2O's ablations at 40% of the context", "d2o_ablation", ctx) + \
             [f"#### Perplexity of a long text\n\n{ppl}" for ppl in [d2o_perplexity(QWEN)]

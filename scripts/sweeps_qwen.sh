@@ -69,7 +69,9 @@
 #   4096), where H2O may leave the floor it sits on at 1/8 (6%): D2O, its authors' code
 #   reading (d2o_code), H2O and StreamingLLM, one shared prefill (~50 min) and 8 cells of
 #   ~10 min: ~2 h a task. Declared (QWEN_D2O_PAIRS): D2O no worse than full; D2O and
-#   d2o_code better than H2O and StreamingLLM.
+#   d2o_code better than H2O and StreamingLLM. Added 2026-11-29, after the sweep ran: RoCo
+#   and CaM, the merging baselines of D2O's Table 1 (QWEN_D2O_MERGE_PAIRS: D2O better than
+#   each); a re-run (--resume) runs their 4 cells on a new shared prefill, ~1-1.3 h.
 # - d2o_ablation: where D2O loses (the d2o section: 16% at 40% against H2O's 24), which of its
 #   parts is the cause: d2o_uniform_layers (every layer at the budget, Table 6's "w.o. Layer
 #   Operation") and d2o_no_merge (evicted entries discarded), with D2O re-run beside them,
@@ -194,7 +196,7 @@ case "${1:-baselines}" in
   d2o)
     for t in ${TASKS//,/ }; do
       run "d2o_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $((CTX * 2 / 5)),$((CTX / 5)) \
-        --method d2o,d2o_code,h2o,streaming_llm
+        --method d2o,d2o_code,h2o,streaming_llm,roco,cam
     done ;;
   d2o_ablation)
     for t in ${TASKS//,/ }; do

@@ -265,6 +265,13 @@ def test_qwen_d2o_shares_and_lava_aggregation_judge_their_declared_pairs(monkeyp
     assert set(got) == {(a, b, share) for a, b in s.QWEN_D2O_PAIRS for share in ("40%", "20%")}
     assert got["d2o", "h2o", "20%"]["a_wins"] == 20  # the same samples, paired
     assert "| h2o | 512 |" not in text  # the baselines sweep gives full only
+    s.REGISTRY.clear()  # RoCo and CaM, added to the sweep later: judged once in the file
+    write("d2o_t_4096.jsonl", recs + [rec(m, b, 25) for b in (1638, 819) for m in ("roco", "cam")])
+    (text,) = s.qwen_more("d2o")
+    got = {(r["a"], r["b"], r["budget"]): r for r in s.REGISTRY}
+    assert set(got) == {(a, b, share) for a, b in s.QWEN_D2O_PAIRS + s.QWEN_D2O_MERGE_PAIRS
+                        for share in ("40%", "20%")}
+    assert got["d2o", "cam", "40%"]["a_wins"] == 15 and "| roco | 819 |" in text
     s.REGISTRY.clear()  # D2O's ablations: their own file, D2O re-run beside them
     write("ablation_d2o_t_4096.jsonl", [rec(m, 1638, h) for m, h in (
         ("d2o", 40), ("d2o_uniform_layers", 45), ("d2o_no_merge", 38))])
