@@ -595,11 +595,15 @@ def qwen15(page: str, ctx: int = 4096) -> str:
     blocks = _qwen_blocks("key", QWEN15_PAIRS[page], budgets(ctx)[:1],
                           "1/8 of the context, SnapKV's pooling kernel its default 7",
                           "key", ctx, folder=QWEN15)
-    return "\n\n".join(blocks) or (
-        "Not measured yet: the full cache's calibration on RULER's samples 0-7 "
-        "(`MODEL=qwen2.5-coder-1.5b nice bash scripts/sweeps_qwen.sh calibrate`), then "
-        "`MODEL=qwen2.5-coder-1.5b nice bash scripts/sweeps_qwen.sh key` on the tasks it "
-        "solves (plan and cost: the script's header).")
+    if blocks:
+        return "\n\n".join(blocks)
+    run = ("`MODEL=qwen2.5-coder-1.5b nice bash scripts/sweeps_qwen.sh key` on the tasks it "
+           "solves (plan and cost: the script's header)")
+    if any(QWEN15.glob(f"ruler_{ctx}*.jsonl")):
+        return (f"Not measured yet: the full cache's calibration is in MODEL.md "
+                f"(`qwen2.5-coder-1.5b-ruler`); next {run}.")
+    return ("Not measured yet: the full cache's calibration on RULER's samples 0-7 "
+            f"(`MODEL=qwen2.5-coder-1.5b nice bash scripts/sweeps_qwen.sh calibrate`), then {run}.")
 
 
 QWEN_CONTEXTS = (4096, 8192)  # `CTX=8192 bash scripts/sweeps_qwen.sh baselines` for the second
@@ -1319,7 +1323,11 @@ def d2o_perplexity(folder=None) -> str | None:
                                "perplexity", f"rho {x:g}", [str(f.relative_to(ROOT))])
                for a, b in PPL_CLAIMS for x in rhos if (a, x) in at and (b, x) in at]
         TABLES.append(ids)
-        claims = [f"@@claims-table-{len(TABLES) - 1}@@"]
+        claims = (f"\n\nThe paper's claims (and, last, D2O's layer budgets against uniform "
+                  "ones) as paired differences (the same blocks under both methods; below 0: "
+                  f"the first predicts the text better):\n\n@@claims-table-{len(TABLES) - 1}@@"
+                  if ids else "\n\nNo declared comparison (PPL_CLAIMS) has both of its "
+                  "methods measured yet.")
         wall = sum(r.get("wall_s", 0) for r in recs) / 60
         n = r0["tokens"] - r0["prompt"]
         blocks.append(
@@ -1332,10 +1340,7 @@ def d2o_perplexity(folder=None) -> str | None:
             f"{f.relative_to(ROOT)} --ppl-text {r0['text']} --ppl-tokens "
             f"{r0['tokens']} --prompt {r0['prompt']} --methods "
             f"{','.join(dict.fromkeys(r['label'] for r in recs))} --ratios "
-            f"{','.join(f'{x:g}' for x in rhos)}`):\n\n" + "\n".join(rows)
-            + "\n\nThe paper's claims (and, last, D2O's layer budgets against uniform "
-            "ones) as paired differences (the same blocks under both methods; below 0: the "
-            "first predicts the text better):\n\n" + "\n".join(claims))
+            f"{','.join(f'{x:g}' for x in rhos)}`):\n\n" + "\n".join(rows) + claims)
     return "\n\n".join(blocks) or None
 
 

@@ -30,7 +30,9 @@
 #   a 2048-token sample costs ~73 s of prefill here (MODEL.md), so ~150-200 s at 4096 and a
 #   task's shared prefill at n = 50 ~2.5 h. First `calibrate` (the full cache on RULER's
 #   samples 0-7 of niah_multikey_2 and cwe, ~25 min a task), then `key` on the tasks it
-#   solves: each paper's key comparison at 1/8 of 4096 (512), one shared prefill and 8 cells
+#   solves (calibrated 2026-11-29, ruler_4096_n8.jsonl: niah_multikey_2 8 of 8, cwe 48%, so
+#   `key` runs niah_multikey_2 only; a batch of 8 took 1022 s of prefill and 6.8 s a decode
+#   step with a test suite and another sweep beside it): each paper's key comparison at 1/8 of 4096 (512), one shared prefill and 8 cells
 #   (~1 h): full, SnapKV, Ada-SnapKV, PyramidKV, H2O, StreamingLLM (the baselines' claims),
 #   LAVa (vs Ada-SnapKV), CriticalKV over SnapKV, D2O (vs H2O); SnapKV's kernel its default
 #   7 (a dev pooling sweep would cost another 2.5 h). ASL and SlimInfer run their own prefill

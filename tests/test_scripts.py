@@ -342,7 +342,9 @@ def test_qwen15_key_comparisons(monkeypatch, tmp_path):
 
     s = _qwen_renderer(monkeypatch, tmp_path, "lava")
     monkeypatch.setattr(s, "QWEN15", tmp_path)
-    assert s.qwen15("lava").startswith("Not measured yet")
+    assert s.qwen15("lava").startswith("Not measured yet: the full cache's calibration on")
+    (tmp_path / "ruler_4096_n8.jsonl").write_text("")
+    assert "calibration is in MODEL.md" in s.qwen15("lava")
     assert s.qwen15("asl").startswith("Not in this model's plan")
     methods = {m for ab in s.QWEN15_PAIRS["lava"] for m in ab} | {"h2o"}
     recs = [{"method": m, "budget": None if m == "full" else 512, "scenario": "question_aware",
@@ -498,3 +500,31 @@ exec {sys.executable} "$@"
     (line,) = runs(["asl_variants", "ruler/niah_multikey_2"])
     assert "--method asl_2pass,asl_full_before --set kernel=17 --set rank_from=l_min" in line
     assert "--budget 512 " in line
+
+
+def test_perplexity_under_way_shows_its_runs_and_judges_once_both_arms_exist(monkeypatch,
+                                                                           tmp_path):
+    """A perplexity file part-way (`sweeps_qwen.sh perplexity` resumes a run at a time): its
+    runs tabled, no claims table while no declared pair has both arms; then D2O vs H2O
+    judged over the paired blocks, under the records' model."""
+    import json
+
+    s = _qwen_renderer(monkeypatch, tmp_path, "d2o")
+
+    def rec(label, rho, nll):
+        return {"model": "qwen2.5-coder-0.5b", "text": "genesis", "tokens": 2048, "prompt": 512,
+                "label": label, "rho": rho, "span": "512-2048", "ppl": 1.0, "wall_s": 60.0,
+                "nll_blocks": [nll + 0.01 * i for i in range(12)], "method_params": {}}
+
+    f = tmp_path / "d2o_ppl_genesis.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in
+                         (rec("full", 1.0, 2.0), rec("h2o", 0.2, 2.5))))
+    text = s.d2o_perplexity(tmp_path)
+    assert "| h2o | 12." in text and "No declared comparison" in text and not s.REGISTRY
+    with f.open("a") as out:
+        out.write(json.dumps(rec("d2o", 0.2, 2.4)) + "\n")
+    text = s.d2o_perplexity(tmp_path)
+    (row,) = s.REGISTRY
+    assert (row["a"], row["b"], row["model"], row["a_wins"]) == (
+        "d2o", "h2o", "qwen2.5-coder-0.5b", 12)
+    assert "@@claims-table-" in text
