@@ -44,7 +44,12 @@ def predictions(r: dict) -> list[dict]:
     sample): its `predictions`, or where it has details (`--details`) theirs."""
     if r.get("predictions") is not None:
         return r["predictions"]
-    return [{k: d[k] for k in PREDICTION_FIELDS} for d in r["details"]]
+    return sample_predictions(r["details"])
+
+
+def sample_predictions(details: list[dict]) -> list[dict]:
+    """The prediction fields of each sample's details (what `predictions` holds)."""
+    return [{k: d[k] for k in PREDICTION_FIELDS} for d in details]
 
 
 def is_complete(path: str | Path) -> bool:

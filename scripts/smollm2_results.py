@@ -931,6 +931,7 @@ def qwen_prefill(page: str, ctx: int = 4096) -> str | None:
             + (_qwen_asl_variants(f, recs, ctx) if page == "asl" else ""))
     dev = qwen_asl_dev(ctx=ctx) if page == "asl" else None
     going = _under_way(f"{prefix}_*_{ctx}.jsonl.batches")
+    variants = _under_way(f"asl_variants_*_{ctx}.jsonl.batches") if page == "asl" else []
     if not blocks and not dev and not going:
         return None
     return ("The methods that change the prefill, on the RULER tasks Qwen2.5-Coder-0.5B's "
@@ -940,9 +941,8 @@ def qwen_prefill(page: str, ctx: int = 4096) -> str | None:
                           + ([("Under way: " if blocks else "Not judged yet: ")
                               + _resumes(going, "prefill ruler/niah_multikey_2")]
                              if going else [])
-                          + [f"Under way: {_resumes(variants, 'asl_variants')}"
-                             for variants in [page == "asl" and _under_way(
-                                 f"asl_variants_*_{ctx}.jsonl.batches")] if variants]))
+                          + ([f"Under way: {_resumes(variants, 'asl_variants')}"]
+                             if variants else [])))
 
 
 # scripts/sweeps_qwen.sh asl_variants: the paper's other two forms of ASL, each its own
@@ -954,12 +954,13 @@ def _qwen_asl_variants(f, recs: list[dict], ctx: int) -> str:
     """asl_2pass (ASL's selection, then GemFilter's second pass) and asl_full_before (the
     full KV up to the selection layer) beside prefill_asl's records `recs` of file `f`."""
     g = f.with_name("asl_variants_" + f.name[len("prefill_asl_"):])
-    own = [{**r, "_files": [str(g.relative_to(ROOT))]} for r in
-           (report.load_records(g) if g.exists() else []) if r["samples"] >= 50]
     shown = {a for a, _ in QWEN_ASL_VARIANT_PAIRS}
+    if not g.exists():
+        return ""
+    own = [r for r in _own_and_full(g, "asl_variants")[0] if r["method"] != "full"]
     if not shown <= {r["method"] for r in own}:
         return ""
-    every = own + recs
+    every = own + recs  # full from recs: the same baselines file
     return (f"\n\n**ASL's other forms** (`scripts/sweeps_qwen.sh asl_variants`, `{g.relative_to(ROOT)}`, "
             "the same samples, reading and kernel): asl_2pass runs the model again from "
             "layer 0 on the selected tokens (ASL + GemFilter); asl_full_before keeps the full "
@@ -1738,8 +1739,8 @@ def slim(path: Path, every: bool = False) -> None:
         for k in set(stats).intersection(*details) if details else ():
             stats.pop(k)
         # each prediction where the details hold it (as `kvjax.run --details` now writes)
-        if details and r.get("predictions") and r["predictions"] == report.predictions(
-                {"details": details}):
+        if details and r.get("predictions") and r["predictions"] == report.sample_predictions(
+                details):
             r.pop("predictions")
         if every:
             for d in details:

@@ -545,7 +545,7 @@ def _benchmark_fields(d: Prompts, per_sample: list[dict], args) -> dict:
                       "records_in_file": d.in_file, "fraction": args.fraction or 1.0,
                       "metric": sorted({s.metric for s in d.samples})},
         "accuracy_by_dataset": {k: float(np.mean(v)) for k, v in sorted(by.items())},
-        **({} if args.details else {"predictions": report.predictions({"details": per_sample})}),
+        **({} if args.details else {"predictions": report.sample_predictions(per_sample)}),
     }
 
 
