@@ -468,9 +468,11 @@ def verdict_screen(results: Path) -> list[str]:
         return []
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     order = {v: i for i, v in enumerate(("holds", "does not hold", "cannot tell"))}
-    shown = sorted((r for r in rows if r["verdict"] != "uninformative"),
-                   key=lambda r: (r["paper"], r["model"], order[r["verdict"]], r["context"],
-                                  r["id"]))
+    # ties keep the registry's order (ids are hashes: their order means nothing)
+    shown = [r for _, r in sorted(
+        ((i, r) for i, r in enumerate(rows) if r["verdict"] != "uninformative"),
+        key=lambda ir: (ir[1]["paper"], ir[1]["model"], order[ir[1]["verdict"]],
+                        ir[1]["context"], ir[0]))]
     lines = ["| paper | claim | model | task, context | a vs b (budget) | verdict | effect "
              "a - b (points, or as named) | a wins : b wins | p_holm | page |", "|---" * 10 + "|"]
     for r in shown:

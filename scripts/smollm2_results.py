@@ -1671,6 +1671,21 @@ def asl_curves() -> str | None:
             "![ASL relative rank variance](asl_relvar_smollm2.png)\n\n" + "\n".join(rows))
 
 
+CLAIM_IDENTITY = ("model", "paper", "page", "task", "context", "scenario", "budget", "a", "b",
+                  "kind", "metric", "seed", "records")
+
+
+def claim_id(r: dict) -> str:
+    """A claim's id: 6 hex digits of a hash of what it compares, never of its results, so an
+    id cited on a page names the same comparison after later sweeps register others (an
+    index into claims.jsonl renumbered on every render) and as its records grow."""
+    import hashlib
+    import json
+
+    what = json.dumps({k: r[k] for k in CLAIM_IDENTITY}, sort_keys=True)
+    return hashlib.sha1(what.encode()).hexdigest()[:6]
+
+
 def write_registry() -> list[dict]:
     """Judge every registered comparison (Holm over each paper's on the model) and write
     docs/results/claims.jsonl, one line a comparison."""
@@ -1679,8 +1694,15 @@ def write_registry() -> list[dict]:
     from kvjax import claims as cl
 
     rows = cl.judge(REGISTRY)
-    for i, r in enumerate(rows):
-        r["id"] = i
+    for r in rows:
+        r["id"] = claim_id(r)
+    seen: dict[str, dict] = {}
+    for r in rows:
+        if r["id"] in seen:
+            raise ValueError(f"two claims share id {r['id']}: {r['claim']!r} "
+                             f"({r['a']} vs {r['b']}, {r['records']}); each comparison must be "
+                             "registered once")
+        seen[r["id"]] = r
     path = ROOT / "docs" / "results" / "claims.jsonl"
     path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
     return rows

@@ -37,6 +37,23 @@ def test_results_intervals(monkeypatch):
     assert m == 4.5 and abs((hi - m) - 2.365 * 2.449 / 8**0.5) < 0.02 and lo == 2 * m - hi
 
 
+def test_claim_ids_name_the_comparison_not_its_results(monkeypatch):
+    """A claim's id is a hash of what it compares: the registry's ids are that hash and
+    distinct, a grown record (new n, new verdict) keeps its id, another arm gets another."""
+    import json
+
+    monkeypatch.syspath_prepend(str(SCRIPTS[0].parent))
+    import smollm2_results as s
+
+    rows = [json.loads(x) for x in (s.ROOT / "docs" / "results" / "claims.jsonl")
+            .read_text().splitlines() if x.strip()]
+    assert [r["id"] for r in rows] == [s.claim_id(r) for r in rows]
+    assert len({r["id"] for r in rows}) == len(rows)
+    r = rows[0]
+    assert s.claim_id({**r, "n": r["n"] + 10, "a_wins": 0, "verdict": "cannot tell"}) == r["id"]
+    assert s.claim_id({**r, "a": r["a"] + "x"}) != r["id"]
+
+
 def test_results_pooling_and_sweep_time(monkeypatch):
     """LAVa's average over tasks pools each method's samples of every task (a method
     missing from one task drops out); a sweep's minutes count a shared prefill once per
