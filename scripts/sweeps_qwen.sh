@@ -34,9 +34,15 @@
 #   `key` runs niah_multikey_2 only; a batch of 8 took 1022 s of prefill and 6.8 s a decode
 #   step with a test suite and another sweep beside it): each paper's key comparison at 1/8 of 4096 (512), one shared prefill and 8 cells
 #   (~1 h): full, SnapKV, Ada-SnapKV, PyramidKV, H2O, StreamingLLM (the baselines' claims),
-#   LAVa (vs Ada-SnapKV), CriticalKV over SnapKV, D2O (vs H2O); SnapKV's kernel its default
-#   7 (a dev pooling sweep would cost another 2.5 h). ASL and SlimInfer run their own prefill
-#   (~2.5 h each): not in this plan. Declared (QWEN15_PAIRS in smollm2_results.py).
+#   LAVa (vs Ada-SnapKV), CriticalKV over SnapKV, D2O (vs H2O). Kernel (decided 2026-11-29,
+#   before the sweep ran): SnapKV, Ada-SnapKV, LAVa and CriticalKV at the kernel chosen on
+#   the 0.5B's dev samples (`--qwen-kernel`: 17; at 7 every one of them sat at 0-12% on the
+#   0.5B, so their comparisons would read "uninformative"); a dev pooling sweep of the 1.5B's
+#   own would cost another 2.5 h. PyramidKV at 7: at 512 of 4096 its schedule falls back to
+#   SnapKV's (below 20 windows of 32; its kept sets equalled SnapKV's on all 50 of the 0.5B's
+#   prompts), so its cell is SnapKV at kernel 7, paired with SnapKV at 17 on the same samples:
+#   does the needle-span failure shrink with model size? ASL and SlimInfer run their own
+#   prefill (~2.5 h each): not in this plan. Declared (QWEN15_PAIRS in smollm2_results.py).
 #
 # The plan, against the cost measured on this machine (2 cores, float32):
 # - the full prefill of a batch of 8 RULER prompts at 4096 tokens: 497 s (62 s a sample,
@@ -250,10 +256,16 @@ case "${1:-baselines}" in
         --ppl-text $text --ppl-tokens 2048 --prompt 512 --ratios 0.2,0.4 \
         --methods full,streaming_llm,h2o,d2o,roco,cam
     done ;;
-  key)  # a larger model (MODEL=qwen2.5-coder-1.5b): each paper's key comparison at 1/8
+  key)  # a larger model (MODEL=qwen2.5-coder-1.5b): each paper's key comparison at 1/8, the
+    # kernel methods at the 0.5B's dev-chosen kernel; PyramidKV at 7: at 1/8 of 4096 it is
+    # SnapKV's rule (its fallback below 20 windows), so its cell is SnapKV at kernel 7
+    K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
+    SETS=()
+    for m in snapkv ada_snapkv lava critical_snapkv; do SETS+=(--set "$m.kernel=$K"); done
     for t in ${TASKS//,/ }; do
       run "key_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B8 \
-        --method full,snapkv,ada_snapkv,pyramidkv,h2o,streaming_llm,lava,critical_snapkv,d2o
+        --method full,snapkv,ada_snapkv,pyramidkv,h2o,streaming_llm,lava,critical_snapkv,d2o \
+        "${SETS[@]}" --set pyramidkv.kernel=7
     done ;;
   *) echo "unknown section $1: calibrate, baselines, pooling, papers, d2o, d2o_ablation, aggregation, critical_co, asl_dev, prefill, asl_variants, perplexity or key" >&2; exit 2 ;;
 esac

@@ -354,28 +354,50 @@ def test_qwen_baselines_at_a_second_length(monkeypatch, tmp_path):
 def test_qwen15_key_comparisons(monkeypatch, tmp_path):
     """The 1.5B model's sections: not measured before its `key` sweep, the prefill methods
     outside its plan, then each page's declared pairs at 1/8 judged on the file's records
-    (registered under that model, so Holm is over its own comparisons)."""
+    (registered under that model, so Holm is over its own comparisons), the kernel methods
+    read at the 0.5B's dev kernel and PyramidKV at 7, whose cell against SnapKV's is the
+    kernel's paired effect (no claim)."""
     import json
 
     s = _qwen_renderer(monkeypatch, tmp_path, "lava")
     monkeypatch.setattr(s, "QWEN15", tmp_path)
+    s.qwen_dev_kernel.cache_clear()
+    monkeypatch.setattr(s, "qwen_dev_kernel", lambda: (17, "dev", []))
     assert s.qwen15("lava").startswith("Not measured yet: the full cache's calibration on")
     (tmp_path / "ruler_4096_n8.jsonl").write_text("")
     assert "calibration is in MODEL.md" in s.qwen15("lava")
     assert s.qwen15("asl").startswith("Not in this model's plan")
-    methods = {m for ab in s.QWEN15_PAIRS["lava"] for m in ab} | {"h2o"}
-    recs = [{"method": m, "budget": None if m == "full" else 512, "scenario": "question_aware",
-             "samples": 50, "accuracy": 0.5, "seed": 0, "task": "ruler/t",
-             "context_length": 4096, "ruler_skip": 16, "model": "qwen2.5-coder-1.5b",
-             "max_new_tokens": 8, "model_weights": {"sha256": "cd" * 32}, "kv_fraction": 0.1,
-             "ttft_s": 2.0, "ttft_own_s": 0.1, "tpot_s": 0.1, "prefill": "shared",
-             "method_params": {}, "details": [{"score": float(i % 2 == (m == "lava"))}
-                                              for i in range(50)]} for m in sorted(methods)]
+    methods = {m for page in ("lava", "baselines") for ab in s.QWEN15_PAIRS[page] for m in ab}
+
+    def rec(m, kernel, scores):
+        return {"method": m, "budget": None if m == "full" else 512,
+                "scenario": "question_aware", "samples": 50,
+                "accuracy": sum(scores) / 50, "seed": 0, "task": "ruler/t",
+                "context_length": 4096, "ruler_skip": 16, "model": "qwen2.5-coder-1.5b",
+                "max_new_tokens": 8, "model_weights": {"sha256": "cd" * 32},
+                "kv_fraction": 0.1, "ttft_s": 2.0, "ttft_own_s": 0.1, "tpot_s": 0.1,
+                "prefill": "shared", "method_params": {} if kernel is None else
+                {"kernel": kernel}, "details": [{"score": float(x)} for x in scores]}
+
+    half = [i % 2 for i in range(50)]
+    recs = [rec(m, 7 if m == "pyramidkv" else 17 if m in s.KERNELED else None,
+                [1] * 40 + [0] * 10 if m == "snapkv" else [0] * 45 + [1] * 5
+                if m == "pyramidkv" else [1 - x for x in half] if m == "lava" else half)
+            for m in sorted(methods)]
     (tmp_path / "key_t_4096.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     text = s.qwen15("lava")
     assert "#### ruler/t, 1/8" in text and "| h2o |" not in text  # the page's methods only
+    assert "at kernel 17 (the 0.5B's dev choice), PyramidKV at its default 7" in text
     got = {(r["a"], r["b"], r["budget"], r["model"]) for r in s.REGISTRY}
-    assert got == {(a, b, "1/8", "qwen2.5-coder-1.5b") for a, b in s.QWEN15_PAIRS["lava"]}
+    at17 = lambda m: m if m == "full" else f"{m}[kernel=17]"  # noqa: E731
+    assert got == {(at17(a), at17(b), "1/8", "qwen2.5-coder-1.5b")
+                   for a, b in s.QWEN15_PAIRS["lava"]}
+    monkeypatch.setitem(s.PAGE, "name", "baselines")
+    text = s.qwen15("baselines")
+    assert ("SnapKV at kernel 17 80 " in text and "at kernel 7 (PyramidKV's cell" in text
+            and "kernel 17 right where 7 is wrong on 40 samples, the reverse on 5" in text)
+    assert not any(r["a"].startswith("pyramidkv") and r["b"].startswith("snapkv")
+                   for r in s.REGISTRY)
 
 
 def test_slimmed_batches_keep_what_a_resume_and_the_pages_read(monkeypatch, tmp_path):
@@ -487,7 +509,8 @@ def test_qwen_sweeps_take_their_budgets_as_shares_of_the_context(tmp_path):
     runs the rest: the calibration's solved tasks, the dev choices read from the records):
     each section's budgets are shares of CTX (at 8192 the baselines run 1/8 and 1/16, 1024
     and 512, as the page judges them), batches of 4 there, and asl_variants reads ASL's dev
-    choice for both forms."""
+    choice for both forms; the 1.5B's key sweep its kernels (17 from the 0.5B's dev samples, 7
+    for PyramidKV)."""
     import os
     import subprocess
 
@@ -517,6 +540,10 @@ exec {sys.executable} "$@"
     (line,) = runs(["asl_variants", "ruler/niah_multikey_2"])
     assert "--method asl_2pass,asl_full_before --set kernel=17 --set rank_from=l_min" in line
     assert "--budget 512 " in line
+    (line,) = runs(["key"], MODEL="qwen2.5-coder-1.5b")
+    assert "--model qwen2.5-coder-1.5b" in line and "--budget 512 " in line
+    assert ("--set snapkv.kernel=17 --set ada_snapkv.kernel=17 --set lava.kernel=17 "
+            "--set critical_snapkv.kernel=17 --set pyramidkv.kernel=7") in line
 
 
 def test_perplexity_under_way_shows_its_runs_and_judges_once_both_arms_exist(monkeypatch,
