@@ -6,6 +6,8 @@
 
     python scripts/d2o_results.py --model smollm2-135m --ppl-only \
         docs/results/smollm2/d2o_ppl_genesis.jsonl --ppl-text genesis    # perplexity alone
+    python scripts/d2o_results.py --model qwen2.5-coder-0.5b --ppl-text genesis \
+        --ppl-tokens 2048 --ratios 0.2,0.4 --methods d2o,d2o_code --layer-sizes  # S_l
 
 Accuracy: one `python -m kvjax.run --ratio <1 - rho> --task <tasks> --context 2048` per
 method (`d2o` without merging is `d2o` with `--set merge=false`), records in
@@ -78,14 +80,32 @@ def kept(record: dict) -> float:
     return 1.0 if r is None else round(1 - r, 6)
 
 
+def _prefill(model, method, ids: list[int], prompt: int):
+    """The prompt prefilled into the method's cache, sized for the rest of `ids`."""
+    capacity = method.decode_capacity(method.cache_slots(prompt, model.cfg), 0,
+                                      len(ids) - prompt)
+    return engine.prefill(model.params, jnp.array([ids[:prompt]]),
+                          jnp.ones((1, prompt), bool), cfg=model.cfg, method=method,
+                          capacity=capacity)
+
+
+def layer_sizes(model, method, ids: list[int], prompt: int) -> dict:
+    """Each layer's cache size after the prompt (the method's `layer_sizes` statistic:
+    D2O's S_l of Eq. 5/13), or, for `d2o_code`, which sizes its layers at the first decoding
+    step, its kept fractions r_l (`ratio` of its state); {} for a method with neither."""
+    _, _, state, stats = _prefill(model, method, ids, prompt)
+    if "layer_sizes" in stats:
+        return {"layer_sizes": np.asarray(stats["layer_sizes"])[0].tolist()}
+    if isinstance(state, dict) and "ratio" in state:
+        return {"layer_ratios": [round(float(x), 3) for x in np.asarray(state["ratio"])[:, 0]]}
+    return {}
+
+
 def token_nll(model, method, ids: list[int], prompt: int) -> np.ndarray:
     """-log p(ids[t] | ids[:t]) for t = prompt..T-1, decoding with the method's cache."""
     cfg, params = model.cfg, model.params
     T = len(ids)
-    capacity = method.decode_capacity(method.cache_slots(prompt, cfg), 0, T - prompt)
-    logits, cache, state, _ = engine.prefill(params, jnp.array([ids[:prompt]]),
-                                             jnp.ones((1, prompt), bool), cfg=cfg,
-                                             method=method, capacity=capacity)
+    logits, cache, state, _ = _prefill(model, method, ids, prompt)
     nll = []
     for t in range(prompt, T):
         lp = jax.nn.log_softmax(logits[0].astype(jnp.float32))
@@ -116,17 +136,29 @@ def main() -> None:
     p.add_argument("--ppl-text", default="haystack", help="haystack, genesis or essays")
     p.add_argument("--ppl-only", type=Path, metavar="FILE",
                    help="only the perplexity, appended as JSON lines to FILE (resumable)")
+    p.add_argument("--layer-sizes", action="store_true",
+                   help="print each method's per-layer cache sizes after the perplexity "
+                        "text's prompt at each rho (one prefill each; D2O's S_l) and exit")
     a = p.parse_args()
     a.methods = a.methods.split(",")
     a.ratios = [float(r) for r in a.ratios.split(",")]
     a.out.mkdir(parents=True, exist_ok=True)
 
-    acc = [] if a.ppl_only else accuracy(a, a.out)
+    acc = [] if a.ppl_only or a.layer_sizes else accuracy(a, a.out)
     model = api.load(a.model)
     ids = text_ids(a.ppl_text, model.encode, a.ppl_tokens)
     done = report.load_records(a.ppl_only) if a.ppl_only and a.ppl_only.exists() else []
     setting = dict(model=model.name, model_weights=provenance(model.path), text=a.ppl_text,
                    tokens=len(ids), prompt=a.prompt)
+    if a.layer_sizes:
+        for label in a.methods:
+            name, sets = split(label)
+            for rho in ([] if name == "full" else a.ratios):
+                m = methods.create(name, **{k: json.loads(v) for k, v in sets.items()})
+                m = m.with_budget(max(1, int(round(a.prompt * rho))))
+                print(json.dumps({"label": label, "rho": rho, "budget": m.budget,
+                                  **layer_sizes(model, m, ids, a.prompt)}))
+        return
     ppl = []
     for label in a.methods:
         name, sets = split(label)

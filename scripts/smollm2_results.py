@@ -1320,7 +1320,8 @@ def _mean_ci(xs) -> tuple[float, float, float]:
 # the paper's claims, then a reading of ours: D2O's layer budgets against uniform ones
 PPL_CLAIMS = [("d2o", "h2o"), ("d2o", "streaming_llm"), ("d2o", "d2o:merge=false"),
               ("d2o", "d2o:variance_layers=false"),
-              ("d2o", "roco"), ("d2o", "cam")]  # the paper's Table 1 baselines too
+              ("d2o", "roco"), ("d2o", "cam"),  # the paper's Table 1 baselines too
+              ("d2o_code", "h2o"), ("d2o_code", "streaming_llm")]  # the authors' code
 
 
 def d2o_perplexity(folder=None) -> str | None:

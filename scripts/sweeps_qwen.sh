@@ -104,7 +104,12 @@
 #   0.4, the other 1536 fed one at a time; full, StreamingLLM, H2O, D2O, RoCo and CaM (11
 #   runs a text; SmolLM2 took 3 min a run, this model ~4x: ~2-2.5 h a text). Declared
 #   (PPL_CLAIMS, smollm2_results.py): D2O better than H2O, StreamingLLM, RoCo and CaM,
-#   judged over 128-token blocks.
+#   judged over 128-token blocks. Added 2026-11-29, once D2O read 99 / 125 at rho 0.2 / 0.4
+#   against H2O's 18 / 16 on Genesis (Eq. 5's softmax over the raw variances gave 11 of 24
+#   layers the floor of 6 entries there): D2O with uniform layer budgets
+#   (`d2o:variance_layers=false`; PPL_CLAIMS' D2O vs it), which took SmolLM2's D2O from
+#   15.9 to 7.9, and the authors' code reading (`d2o_code`: min-max normalised variances;
+#   better than H2O and StreamingLLM, declared), 4 runs a text.
 # - asl_dev: ASL's relative rank variance on the dev samples at tau = 1e-6 (never selects),
 #   its own prefill, ~50 min; the rule that reads it (`smollm2_results.py --qwen-asl`,
 #   declared before it ran): the defaults if >= 25 of 50 prompts select at tau 0.3, else
@@ -254,7 +259,7 @@ case "${1:-baselines}" in
     for text in genesis essays; do
       python scripts/d2o_results.py --model "$MODEL" --ppl-only "$D/d2o_ppl_$text.jsonl" \
         --ppl-text $text --ppl-tokens 2048 --prompt 512 --ratios 0.2,0.4 \
-        --methods full,streaming_llm,h2o,d2o,roco,cam
+        --methods full,streaming_llm,h2o,d2o,d2o:variance_layers=false,d2o_code,roco,cam
     done ;;
   key)  # a larger model (MODEL=qwen2.5-coder-1.5b): each paper's key comparison at 1/8, the
     # kernel methods at the 0.5B's dev-chosen kernel; PyramidKV at 7: at 1/8 of 4096 it is

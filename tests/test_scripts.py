@@ -572,3 +572,24 @@ def test_perplexity_under_way_shows_its_runs_and_judges_once_both_arms_exist(mon
     assert (row["a"], row["b"], row["model"], row["a_wins"]) == (
         "d2o", "h2o", "qwen2.5-coder-0.5b", 12)
     assert "@@claims-table-" in text
+
+
+def test_d2o_layer_sizes_diagnostic(monkeypatch):
+    """`d2o_results.py --layer-sizes`' reader on the bundled model: D2O's S_l after the
+    prompt sum to budget x L (Eq. 13's water-fill) within [T + 2, 2 x budget]; d2o_code,
+    which sizes its layers at the first step, gives its kept fractions; H2O neither."""
+    monkeypatch.syspath_prepend(str(SCRIPTS[0].parent))
+    import d2o_results as d
+
+    from kvjax import api, methods
+    from kvjax.tasks.prose import text_ids
+
+    model = api.load("tiny-retrieval")
+    ids = text_ids("haystack", model.encode, 160)
+    got = d.layer_sizes(model, methods.create("d2o").with_budget(32), ids, 128)
+    sizes = got["layer_sizes"]
+    assert len(sizes) == model.cfg.num_layers and sum(sizes) == 32 * model.cfg.num_layers
+    assert all(4 + 2 <= s <= 64 for s in sizes)
+    ratios = d.layer_sizes(model, methods.create("d2o_code").with_budget(32), ids, 128)
+    assert len(ratios["layer_ratios"]) == model.cfg.num_layers
+    assert d.layer_sizes(model, methods.create("h2o").with_budget(32), ids, 128) == {}
