@@ -981,29 +981,33 @@ def qwen_prefill(page: str, ctx: int = 4096) -> str | None:
 
 # scripts/sweeps_qwen.sh asl_variants: the paper's other two forms of ASL, each its own
 # prefill, against what they vary (same samples, prefill_asl's records)
-QWEN_ASL_VARIANT_PAIRS = [("asl_2pass", "gemfilter"), ("asl_full_before", "asl")]
+QWEN_ASL_VARIANT_PAIRS = [("asl_2pass", "gemfilter", {}, {}), ("asl_full_before", "asl", {}, {}),
+                          ("asl", "fastkv", {}, {"tsp_rate": 0.125})]  # FastKV at ASL's KV
 
 
 def _qwen_asl_variants(f, recs: list[dict], ctx: int) -> str:
     """asl_2pass (ASL's selection, then GemFilter's second pass) and asl_full_before (the
     full KV up to the selection layer) beside prefill_asl's records `recs` of file `f`."""
     g = f.with_name("asl_variants_" + f.name[len("prefill_asl_"):])
-    shown = {a for a, _ in QWEN_ASL_VARIANT_PAIRS}
     if not g.exists():
         return ""
     own = [r for r in _own_and_full(g, "asl_variants")[0] if r["method"] != "full"]
+    shown = {"asl_2pass", "asl_full_before"}
     if not shown <= {r["method"] for r in own}:
         return ""
+    # FastKV at ASL's KV: judged once its cell is in the file (added after the first two)
+    pairs = [(a, b, pa, pb) for a, b, pa, pb in QWEN_ASL_VARIANT_PAIRS
+             if b != "fastkv" or find(own, b, QWEN_PREFILL["asl"][2][0][0], **pb)]
     every = own + recs  # full from recs: the same baselines file
     return (f"\n\n**ASL's other forms** (`scripts/sweeps_qwen.sh asl_variants`, `{g.relative_to(ROOT)}`, "
             "the same samples, reading and kernel): asl_2pass runs the model again from "
             "layer 0 on the selected tokens (ASL + GemFilter); asl_full_before keeps the full "
-            "KV up to the selection layer. Selection layers: asl_2pass "
+            "KV up to the selection layer; FastKV with TSP rate 0.125 propagates 1/8 of the "
+            "prompt, so its live KV is ASL's. Selection layers: asl_2pass "
             + _asl_layers(own, "asl_2pass") + "; asl_full_before "
             + _asl_layers(own, "asl_full_before") + ".\n\n"
-            + table(every, shown | {"full", "asl", "gemfilter"}) + "\n\n"
-            + claims(every, [(a, b, {}, {}) for a, b in QWEN_ASL_VARIANT_PAIRS],
-                     QWEN_PREFILL["asl"][2]))
+            + table(every, shown | {"full", "asl", "gemfilter", "fastkv"}) + "\n\n"
+            + claims(every, pairs, QWEN_PREFILL["asl"][2]))
 
 
 def qwen_asl_dev(task: str = "niah_multikey_2", ctx: int = 4096) -> str | None:

@@ -14,10 +14,11 @@
 #
 # Status (n = 50 a cell, RULER's samples 16-65, 4096 tokens; hours on 2 cores):
 #   niah_multikey_2: baselines 16 cells done; pooling (dev) 8 done; papers 22 done;
-#     asl_dev 1 done (30 min); prefill 5 done (ASL group ~75 min, SlimInfer/LazyLLM ~55 min);
-#     d2o 8 done 2026-11-28 (1 h 40 min beside other work); d2o_ablation 3 (~1 h) and
-#     critical_co 8 (~1.5 h) to run;
-#   vt: baselines 2 of 7 batches (~2 h left); cwe: aggregation 14 (~2.5-3 h) to run.
+#     asl_dev 1 done (30 min); prefill 5 done (ASL group ~75 min, SlimInfer/LazyLLM ~55 min),
+#     SlimInfer/LazyLLM at 512 to run (~40 min); d2o 12 done 2026-11-29 (RoCo/CaM added);
+#     d2o_ablation 3 and critical_co 8 done 2026-11-29; asl_variants 2 to run (~1.5 h);
+#   vt: baselines 2 of 7 batches (~2 h left); cwe: aggregation 14 done 2026-11-29;
+#   perplexity: Genesis 7 of 15 runs, essays 0 of 15 (2026-11-29).
 #   8192 (`CTX=8192 nice bash scripts/sweeps_qwen.sh baselines ruler/niah_multikey_2`; the
 #   full cache answers 8 of 8 in ruler_8192_n8.jsonl): the full prefill ~95-100 s a sample
 #   alone in batches of 4 (MODEL.md; BATCH=4 by default at 8192, as the calibration ran), so
@@ -127,9 +128,12 @@
 # - asl_variants: the paper's two other forms of ASL on prefill's samples, reading and kernel,
 #   each its own prefill (~40 min a method alone at n = 50: ~1.5 h a task): asl_2pass (ASL's
 #   selection, then the model again from layer 0 on the selected tokens, as GemFilter) and
-#   asl_full_before (the full KV up to the selection layer). Declared
+#   asl_full_before (the full KV up to the selection layer); and (added 2026-11-29, before
+#   it ran) FastKV at ASL's live KV: tsp_rate 0.125, 512 of 4096 tokens propagated (at its
+#   default 0.2 it kept 0.171 of the KV against ASL's 0.131), ~40 min more. Declared
 #   (QWEN_ASL_VARIANT_PAIRS): asl_2pass better than GemFilter, asl_full_before better than
-#   ASL (the full KV before the selection should only help).
+#   ASL (the full KV before the selection should only help), ASL better than FastKV at
+#   equal KV.
 set -u
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-qwen2.5-coder-0.5b}  # MODEL=qwen2.5-coder-1.5b: the calibrate and key sections
@@ -248,12 +252,14 @@ case "${1:-baselines}" in
       run "prefill_slim_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B16,$B8 --method sliminfer,lazyllm
     done ;;
   asl_variants)  # the paper's other forms of ASL, each its own prefill, on prefill_asl's
-    # samples, reading and kernel (global --set: both have rank_from and kernel)
+    # samples, reading and kernel; and FastKV propagating 1/8 of the prompt (tsp_rate 0.125),
+    # so its live KV is ASL's (as SmolLM2's asl_eqkv)
     K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
     A=$(python scripts/smollm2_results.py --qwen-asl) || exit 2
     for t in ${TASKS//,/ }; do
       run "asl_variants_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B8 \
-        --method asl_2pass,asl_full_before --set kernel=$K ${A//asl./}
+        --method asl_2pass,asl_full_before,fastkv --set kernel=$K \
+        ${A//asl./asl_2pass.} ${A//asl./asl_full_before.} --set fastkv.tsp_rate=0.125
     done ;;
   perplexity)  # D2O's long-text claim: teacher-forced perplexity, one text a run
     for text in genesis essays; do

@@ -204,6 +204,17 @@ def test_qwen_prefill_pages_judge_their_pairs_and_say_where_the_needle_went(monk
     got = {(r["a"], r["b"]): r for r in s.REGISTRY}
     assert got["asl_2pass", "gemfilter"]["a_wins"] == 50
     assert got["asl_full_before", "asl"]["a_wins"] == 0
+    assert not any(b.startswith("fastkv[") for _, b in got)  # not run yet: not judged
+    # FastKV at ASL's live KV (TSP rate 0.125), added to the file later: judged against ASL
+    with open(tmp_path / "asl_variants_t_4096.jsonl", "a") as f:
+        f.write(json.dumps(rec("fastkv", 512, [{"score": float(i < 5)} for i in range(50)],
+                               tsp_rate=0.125)) + "\n")
+    s.REGISTRY.clear()
+    text = s.qwen_prefill("asl")
+    assert "| fastkv (TSP rate 0.125) | 512 |" in text and "| fastkv | 512 |" in text
+    got = {(r["a"], r["b"]): r for r in s.REGISTRY}
+    assert (got["asl", "fastkv[tsp_rate=0.125]"]["b_wins"],
+            got["asl", "fastkv"]["b_wins"]) == (5, 0)
 
 
 def test_qwen_asl_reading_is_chosen_on_the_dev_run_by_the_declared_rule(monkeypatch, tmp_path,
@@ -538,7 +549,9 @@ exec {sys.executable} "$@"
     (line,) = runs(["critical_co", "ruler/niah_multikey_2"])
     assert "--budget 2048,1638 " in line and "--context 4096" in line
     (line,) = runs(["asl_variants", "ruler/niah_multikey_2"])
-    assert "--method asl_2pass,asl_full_before --set kernel=17 --set rank_from=l_min" in line
+    assert ("--method asl_2pass,asl_full_before,fastkv --set kernel=17 --set "
+            "asl_2pass.rank_from=l_min --set asl_full_before.rank_from=l_min --set "
+            "fastkv.tsp_rate=0.125") in line
     assert "--budget 512 " in line
     (line,) = runs(["key"], MODEL="qwen2.5-coder-1.5b")
     assert "--model qwen2.5-coder-1.5b" in line and "--budget 512 " in line
