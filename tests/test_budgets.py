@@ -38,6 +38,16 @@ def test_pyramid_equals_kvpress(n, frac, L, window, beta):
         _kvpress_pyramid(budget, n, L, window, beta)
 
 
+def test_pyramid_falls_back_to_uniform_at_the_qwen_budgets():
+    """What results/lava.md and criticalkv.md read: on Qwen2.5-0.5B (24 layers), window 32,
+    beta 20, 1/8 and 1/16 of 4096 are below 20 windows, so every layer keeps the budget
+    (PyramidKV is SnapKV there); 1/8 of 8192 (1024) is the first where the pyramid runs."""
+    for budget in (512, 256):
+        assert set(budgets.pyramid(budget, 4096, 24, 32, 20).tolist()) == {budget}
+    tiers = budgets.pyramid(1024, 8192, 24, 32, 20)
+    assert tiers[0] > 1024 > tiers[-1] and abs(int(np.sum(tiers)) - 1024 * 24) < 24
+
+
 def _kvpress_pyramid_at_ratio(r, n, L, window, beta):
     kvpress = pytest.importorskip("kvpress")
     press = kvpress.PyramidKVPress(compression_ratio=r, window_size=window, beta=beta)
