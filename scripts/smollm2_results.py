@@ -519,11 +519,19 @@ QWEN_PAIRS = ([(m, "full") for m in QWEN_METHODS]
 QWEN_HEADKV = [("headkv", "full"), ("headkv", "snapkv"), ("headkv", "ada_snapkv")]
 
 
-def _qwen_pairs() -> list[tuple]:
-    """QWEN_PAIRS with the SnapKV family at its default kernel 7 (the baselines sweep's),
-    and HeadKV's comparisons at the kernel the papers sweep ran (`qwen_dev_kernel`)."""
-    k7 = lambda m: {"kernel": 7} if m in KERNELED else {}  # noqa: E731
-    pairs = [(a, b, k7(a), k7(b)) for a, b in QWEN_PAIRS]
+def _baseline_kernel(ctx: int) -> int | None:
+    """The SnapKV family's kernel in the baselines sweep at `ctx`: its default 7 at the
+    first length (as it ran), the dev-chosen one at longer ones (scripts/sweeps_qwen.sh)."""
+    return 7 if ctx == QWEN_CONTEXTS[0] else qwen_dev_kernel()[0]
+
+
+def _qwen_pairs(ctx: int = 4096) -> list[tuple]:
+    """QWEN_PAIRS with the SnapKV family at the baselines sweep's kernel at `ctx`
+    (`_baseline_kernel`), and HeadKV's comparisons at the kernel the papers sweep ran
+    (`qwen_dev_kernel`)."""
+    kb = _baseline_kernel(ctx)
+    at_kb = lambda m: {"kernel": kb} if m in KERNELED else {}  # noqa: E731
+    pairs = [(a, b, at_kb(a), at_kb(b)) for a, b in QWEN_PAIRS]
     k = qwen_dev_kernel()[0]
     if k is not None:
         at = lambda m: {"kernel": k} if m in KERNELED else {}  # noqa: E731
@@ -654,8 +662,9 @@ def qwen_baselines() -> str:
           if i == 0 or any(QWEN.glob(f"baselines_*_{c}.jsonl*"))]
     head = ("The eight baselines at 1/8 and 1/16 of the context on the RULER tasks "
             f"Qwen2.5-Coder-0.5B's full cache solves at {' and '.join(map(str, at))} (MODEL.md, "
-            "`qwen2.5-coder-0.5b-ruler`), SnapKV's pooling kernel at its default 7, methods "
-            "at their papers' defaults. Rendered by `python scripts/smollm2_results.py` from "
+            "`qwen2.5-coder-0.5b-ruler`), SnapKV's pooling kernel at its default 7 at 4096 and at "
+            "the dev-chosen kernel at longer contexts (7 left the family at the floor at 4096), "
+            "methods otherwise at their papers' defaults. Rendered by `python scripts/smollm2_results.py` from "
             "the records of `scripts/sweeps_qwen.sh baselines` (ObservedAttention, the ninth, from "
             "`scripts/sweeps_qwen.sh papers`, on the same samples).")
     if going:
@@ -690,8 +699,10 @@ def _qwen_baseline_blocks(ctx: int) -> list[str]:
             f"seed {recs[0]['seed']}; {report.model_line(recs)}. Full cache: {fmt(full)}. Records: `{rel}` "
             f"({_sweep_minutes(recs):.0f} min on 2 cores by their own clocks)"
             + (f"; ObservedAttention's: `{papers.relative_to(ROOT)}`" if any(
-                r["method"] == "observed_attention" for r in recs) else "") + ".\n\n"
-            + table(recs) + "\n\n" + claims(recs, _qwen_pairs(), budgets(ctx)))
+                r["method"] == "observed_attention" for r in recs) else "")
+            + f"; the declared comparisons read the SnapKV family at kernel "
+              f"{_baseline_kernel(ctx)}.\n\n"
+            + table(recs) + "\n\n" + claims(recs, _qwen_pairs(ctx), budgets(ctx)))
     return blocks
 
 

@@ -23,8 +23,11 @@
 #   full cache answers 8 of 8 in ruler_8192_n8.jsonl): the full prefill ~95-100 s a sample
 #   alone in batches of 4 (MODEL.md; BATCH=4 by default at 8192, as the calibration ran), so
 #   ~80 min of shared prefill and 16 cells of ~5-8 min: ~3-3.5 h; budgets 1/8 and 1/16 of
-#   8192 (1024, 512: every section's budgets are shares of $CTX), SnapKV's kernel stays 7
-#   (the baselines' default). Batch 4 fits: each method's replay buffers compile to
+#   8192 (1024, 512: every section's budgets are shares of $CTX). Kernel (decided
+#   2026-11-29, before the sweep ran): the SnapKV family at the kernel chosen on the 4096 dev
+#   samples (`--qwen-kernel`: 17), not 7: at 7 every one of them sat at 0-12% at 4096, so
+#   the 8192 comparisons would have read "uninformative"; at 1024 of 8192 PyramidKV's
+#   pyramid runs (its first budget above 20 windows), so PyramidKV vs SnapKV is measured. Batch 4 fits: each method's replay buffers compile to
 #   <= 0.3 GB of temporaries (XLA's memory_analysis, 2026-11-29).
 #
 # Qwen2.5-Coder-1.5B (MODEL=qwen2.5-coder-1.5b; records in docs/results/qwen2.5-coder-1.5b/):
@@ -184,10 +187,16 @@ if [ -n "${2:-}" ] && [ "${1:-}" != aggregation ]; then
   TASKS=$2
 fi
 case "${1:-baselines}" in
-  baselines)
+  baselines)  # at 4096 the kernel methods at their default 7 (as this sweep first ran); at
+    # longer contexts at the dev-chosen kernel (7 left them at 0-12% at 4096: uninformative)
+    SETS=()
+    if [ "$CTX" != 4096 ]; then
+      K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
+      for m in snapkv ada_snapkv pyramidkv ada_pyramidkv; do SETS+=(--set "$m.kernel=$K"); done
+    fi
     for t in ${TASKS//,/ }; do
       run "baselines_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B8,$B16 \
-        --method full,snapkv,ada_snapkv,pyramidkv,ada_pyramidkv,h2o,tova,streaming_llm
+        --method full,snapkv,ada_snapkv,pyramidkv,ada_pyramidkv,h2o,tova,streaming_llm "${SETS[@]}"
     done ;;
   pooling)  # SnapKV's kernel chosen on a dev seed: RULER's samples 66-115, judged elsewhere
     for t in ${TASKS//,/ }; do

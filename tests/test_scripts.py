@@ -342,24 +342,29 @@ def test_qwen_d2o_shares_and_lava_aggregation_judge_their_declared_pairs(monkeyp
 
 def test_qwen_baselines_at_a_second_length(monkeypatch, tmp_path):
     """`CTX=8192 sweeps_qwen.sh baselines`: its block beside 4096's, judged at 8192's own
-    1/8 and 1/16; the page names 8192 only once a sweep at it exists."""
+    1/8 and 1/16 with the SnapKV family read at the dev-chosen kernel (records at 7 are not
+    judged there); the page names 8192 only once a sweep at it exists."""
     import json
 
     s = _qwen_renderer(monkeypatch, tmp_path, "baselines")
-    monkeypatch.setattr(s, "qwen_dev_kernel", lambda: (None, "", []))
+    monkeypatch.setattr(s, "qwen_dev_kernel", lambda: (17, "", []))
     assert "solves at 4096 (MODEL.md" in s.qwen_baselines()
     recs = [{"method": m, "budget": b, "scenario": "question_aware", "samples": 50,
              "accuracy": 0.5, "seed": 0, "task": "ruler/t", "context_length": 8192,
              "ruler_skip": 16, "model": "qwen2.5-coder-0.5b", "max_new_tokens": 8,
              "model_weights": {"sha256": "ab" * 32}, "kv_fraction": 0.1, "ttft_s": 2.0,
              "ttft_own_s": 0.1, "tpot_s": 0.1, "prefill": "shared", "compile_s": 1.0,
-             "method_params": {"kernel": 7} if m in s.KERNELED else {},
+             "method_params": {"kernel": k} if m in s.KERNELED else {},
              "details": [{"score": float(i % 2)} for i in range(50)]}
-            for m in ("full", *s.QWEN_METHODS) for b in ((None,) if m == "full" else (1024, 512))]
+            for m in ("full", *s.QWEN_METHODS) for b in ((None,) if m == "full" else (1024, 512))
+            for k in ((7, 17) if m in s.KERNELED else (None,))]
     (tmp_path / "baselines_t_8192.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     text = s.qwen_baselines()
     assert "solves at 4096 and 8192 (MODEL.md" in text and "#### ruler/t at 8192\n" in text
+    assert "the declared comparisons read the SnapKV family at kernel 17." in text
     assert {(r["context"], r["budget"]) for r in s.REGISTRY} == {(8192, "1/8"), (8192, "1/16")}
+    assert {r["a"] for r in s.REGISTRY if r["b"] == "full"} == {
+        f"{m}[kernel=17]" if m in s.KERNELED else m for m in s.QWEN_METHODS}
 
 
 def test_qwen15_key_comparisons(monkeypatch, tmp_path):
@@ -546,6 +551,10 @@ exec {sys.executable} "$@"
     (line,) = runs(["baselines", "ruler/niah_multikey_2"], CTX="8192")
     assert "--context 8192" in line and "--batch-size 4" in line
     assert "--budget 1024,512 " in line and "baselines_niah_multikey_2_8192.jsonl" in line
+    assert ("--set snapkv.kernel=17 --set ada_snapkv.kernel=17 --set pyramidkv.kernel=17 "
+            "--set ada_pyramidkv.kernel=17 --output") in line
+    (line,) = runs(["baselines", "ruler/niah_multikey_2"])  # 4096: as it ran, kernel 7
+    assert "--set" not in line
     (line,) = runs(["critical_co", "ruler/niah_multikey_2"])
     assert "--budget 2048,1638 " in line and "--context 4096" in line
     (line,) = runs(["asl_variants", "ruler/niah_multikey_2"])
