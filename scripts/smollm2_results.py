@@ -634,7 +634,8 @@ def qwen15(page: str, ctx: int = 4096) -> str:
     blocks = _qwen_blocks("key", QWEN15_PAIRS[page], budgets(ctx)[:1],
                           f"1/8 of the context; SnapKV, Ada-SnapKV, LAVa and CriticalKV at "
                           f"kernel {k} (the 0.5B's dev choice), PyramidKV at its default 7",
-                          "key", ctx, _qwen15_want, folder=QWEN15)
+                          "key", ctx, _qwen15_want, folder=QWEN15,
+                          plot=page if page in ("lava", "d2o") else None)
     if blocks and page == "baselines":
         blocks += [b for b in [_kernel_probe(ctx)] if b]
     if blocks:
@@ -831,14 +832,19 @@ def qwen_papers(page: str, ctx: int = 4096) -> str | None:
             + "\n\n".join(blocks + more))
 
 
+QWEN_TITLES = {"qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B", "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B"}
+
+
 def _qwen_layer_plot(recs: list[dict], page: str, ctx: int, at, suffix: str = "") -> str:
     """A Qwen block's layer budgets (`_layer_plot`): LAVa's and CAKE's entries a layer
-    summed over the model's 2 KV heads, D2O's (Eq. 13) a head's."""
+    summed over the model's 2 KV heads (both Qwen models have 2), D2O's (Eq. 13) a head's;
+    the file named by the records' model."""
     key, heads, methods = (("layer_sizes", 1, ("d2o", "d2o_code")) if page == "d2o" else
                            ("layer_totals", 2, ("lava", "cake")))
+    model = recs[0]["model"]
     return _layer_plot(ctx, [r for r in recs if r["method"] in methods],
                        recs[0]["task"].split("/")[-1], key, page, heads, at,
-                       ("Qwen2.5-Coder-0.5B", f"_qwen2.5-coder-0.5b{suffix}"))
+                       (QWEN_TITLES[model], f"_{model}{suffix}"))
 
 
 def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 4096,

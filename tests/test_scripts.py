@@ -408,6 +408,15 @@ def test_qwen15_key_comparisons(monkeypatch, tmp_path):
     at17 = lambda m: m if m == "full" else f"{m}[kernel=17]"  # noqa: E731
     assert got == {(at17(a), at17(b), "1/8", "qwen2.5-coder-1.5b")
                    for a, b in s.QWEN15_PAIRS["lava"]}
+    assert "lava_layers_t_4096_qwen2.5-coder-1.5b_key.png" not in text  # no layer totals
+    recs = [{**r, "details": [{**d, "layer_totals": [100 + i for i in range(28)]}
+                              for d in r["details"]]} if r["method"] == "lava" else r
+            for r in recs]
+    (tmp_path / "key_t_4096.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    s.REGISTRY.clear()
+    assert "](lava_layers_t_4096_qwen2.5-coder-1.5b_key.png)" in s.qwen15("lava")
+    assert (tmp_path / "docs" / "results" / "lava_layers_t_4096_qwen2.5-coder-1.5b_key.png"
+            ).exists()
     monkeypatch.setitem(s.PAGE, "name", "baselines")
     text = s.qwen15("baselines")
     assert ("SnapKV at kernel 17 80 " in text and "at kernel 7 (PyramidKV's cell" in text
