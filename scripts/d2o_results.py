@@ -18,8 +18,9 @@ is prefilled for `--prompt` tokens with each method's cache at rho of that promp
 token by token (teacher forcing, `engine.extend` under jit, the method's decode hook
 evicting/merging at every step); NLL of every next token. `--ppl-only FILE` measures
 only the perplexity and appends one JSON line per method, rho and span to FILE, with
-the mean NLL of each 128-token block (`nll_blocks`, for an interval; a rerun skips what
-FILE holds); otherwise the script writes docs/results/tiny/d2o.md
+the mean NLL of each 128-token block (`nll_blocks`, for an interval) and the layer sizes
+the method's prefill chose (`layer_sizes`: D2O's S_l; `layer_ratios`: d2o_code's r_l; since
+2026-11-29); a rerun skips what FILE holds; otherwise the script writes docs/results/tiny/d2o.md
 (tables via `kvjax.report`, plots when matplotlib imports). Methods not registered are
 listed as missing rather than run (roco and cam are registered since kvjax/methods/d2o/roco.py
 and cam.py).
@@ -94,6 +95,10 @@ def layer_sizes(model, method, ids: list[int], prompt: int) -> dict:
     D2O's S_l of Eq. 5/13), or, for `d2o_code`, which sizes its layers at the first decoding
     step, its kept fractions r_l (`ratio` of its state); {} for a method with neither."""
     _, _, state, stats = _prefill(model, method, ids, prompt)
+    return _layers_of(state, stats)
+
+
+def _layers_of(state, stats) -> dict:
     if "layer_sizes" in stats:
         return {"layer_sizes": np.asarray(stats["layer_sizes"])[0].tolist()}
     if isinstance(state, dict) and "ratio" in state:
@@ -101,11 +106,13 @@ def layer_sizes(model, method, ids: list[int], prompt: int) -> dict:
     return {}
 
 
-def token_nll(model, method, ids: list[int], prompt: int) -> np.ndarray:
-    """-log p(ids[t] | ids[:t]) for t = prompt..T-1, decoding with the method's cache."""
+def token_nll(model, method, ids: list[int], prompt: int) -> tuple[np.ndarray, dict]:
+    """-log p(ids[t] | ids[:t]) for t = prompt..T-1, decoding with the method's cache; and
+    the layer sizes its prefill chose (`layer_sizes`)."""
     cfg, params = model.cfg, model.params
     T = len(ids)
-    logits, cache, state, _ = _prefill(model, method, ids, prompt)
+    logits, cache, state, stats = _prefill(model, method, ids, prompt)
+    layers = _layers_of(state, stats)
     nll = []
     for t in range(prompt, T):
         lp = jax.nn.log_softmax(logits[0].astype(jnp.float32))
@@ -114,7 +121,7 @@ def token_nll(model, method, ids: list[int], prompt: int) -> np.ndarray:
             logits, cache, state = engine.extend(params, cache, jnp.array([[ids[t]]]),
                                                  jnp.ones((1, 1), bool), state, cfg=cfg,
                                                  method=method)
-    return np.array(nll)
+    return np.array(nll), layers
 
 
 def spans(prompt: int, split: int, T: int) -> list[tuple[int, int]]:
@@ -173,7 +180,7 @@ def main() -> None:
             if rho is not None:
                 m = m.with_budget(max(1, int(round(a.prompt * rho))))
             t0 = time.perf_counter()
-            nll = token_nll(model, m, ids, a.prompt)
+            nll, layers = token_nll(model, m, ids, a.prompt)
             for lo, hi in spans(a.prompt, a.ppl_split, len(ids)):
                 ppl.append({"label": label, "rho": rho or 1.0, "span": f"{lo}-{hi}",
                             "ppl": float(np.exp(nll[lo - a.prompt:hi - a.prompt].mean()))})
@@ -184,7 +191,7 @@ def main() -> None:
                               for b in np.array_split(blk, max(1, len(blk) // 128))]
                     with open(a.ppl_only, "a") as f:
                         f.write(json.dumps({**key, **ppl[-1], "nll_blocks": blocks,
-                                            "method_params": sets,
+                                            "method_params": sets, **layers,
                                             "wall_s": round(time.perf_counter() - t0, 1)})
                                 + "\n")
     if a.ppl_only:

@@ -608,7 +608,8 @@ def test_perplexity_under_way_shows_its_runs_and_judges_once_both_arms_exist(mon
 def test_d2o_layer_sizes_diagnostic(monkeypatch):
     """`d2o_results.py --layer-sizes`' reader on the bundled model: D2O's S_l after the
     prompt sum to budget x L (Eq. 13's water-fill) within [T + 2, 2 x budget]; d2o_code,
-    which sizes its layers at the first step, gives its kept fractions; H2O neither."""
+    which sizes its layers at the first step, gives its kept fractions; H2O neither; the
+    perplexity run records D2O's beside its NLL."""
     monkeypatch.syspath_prepend(str(SCRIPTS[0].parent))
     import d2o_results as d
 
@@ -624,3 +625,6 @@ def test_d2o_layer_sizes_diagnostic(monkeypatch):
     ratios = d.layer_sizes(model, methods.create("d2o_code").with_budget(32), ids, 128)
     assert len(ratios["layer_ratios"]) == model.cfg.num_layers
     assert d.layer_sizes(model, methods.create("h2o").with_budget(32), ids, 128) == {}
+    # the perplexity run records the same sizes beside its NLL (one per fed token)
+    nll, layers = d.token_nll(model, methods.create("d2o").with_budget(32), ids[:136], 128)
+    assert nll.shape == (8,) and layers == got
