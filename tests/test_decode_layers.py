@@ -96,15 +96,21 @@ def test_a_bad_layout_is_refused():
 def test_appends_are_in_place_in_the_compiled_decode():
     """No copy of a layer's K or V (or of the stacked cache) in the decode program: the scan
     at batch 1 and 2, the per-layer loop at batch 2. (The per-layer loop at batch 1 copies on
-    CPU: kvjax.bench.decode_hlo, docs/results/speed.md.)"""
-    from kvjax.bench.decode_hlo import cache_copies
+    CPU: kvjax.bench.decode_hlo, docs/results/speed.md.) The per-layer loop's temporaries
+    hold its once-a-call split of the stacked weights and cache; the scan's do not."""
+    from kvjax.bench.decode_hlo import cache_copies, decode_program, temp_gib
     from kvjax.bench.gpu import shape_8b
 
     cfg = shape_8b(2, True, 512)
+    prog = {(b, lay): decode_program(cfg, b, 256, lay, jnp.float32)
+            for b, lay in ((1, "scan"), (2, "scan"), (2, "per_layer"), (1, "per_layer"))}
     for batch, layout in ((1, "scan"), (2, "scan"), (2, "per_layer")):
-        assert cache_copies(cfg, batch, 256, layout, jnp.float32) == 0, (batch, layout)
+        assert cache_copies(prog[batch, layout], cfg, batch, 256, jnp.float32) == 0, \
+            (batch, layout)
     # the counter sees the copies where they are
-    assert cache_copies(cfg, 1, 256, "per_layer", jnp.float32) > 0
+    assert cache_copies(prog[1, "per_layer"], cfg, 1, 256, jnp.float32) > 0
+    kv = 2 * cfg.num_layers * 2 * cfg.num_kv_heads * 256 * cfg.head_dim * 4 / 2**30
+    assert temp_gib(prog[2, "per_layer"]) - temp_gib(prog[2, "scan"]) >= kv
 
 
 def test_the_layout_probe_computes_one_step_every_way():

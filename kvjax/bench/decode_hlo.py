@@ -28,9 +28,9 @@ from kvjax.bench.gpu import shape_8b
 _DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
 
 
-def cache_copies(cfg, batch: int, capacity: int, layout: str, dtype=jnp.bfloat16) -> int:
-    """Copies of a layer's (or the stacked) K/V buffer in `steps.decode`'s optimized HLO:
-    the full cache's plain decode step (`Method()`), 16 new tokens."""
+def decode_program(cfg, batch: int, capacity: int, layout: str, dtype=jnp.bfloat16):
+    """`steps.decode` compiled for abstract shapes: the full cache's plain decode step
+    (`Method()`), 16 new tokens."""
     from kvjax.compression.cache import KVCache
     from kvjax.compression.method import Method
     from kvjax.engine import steps
@@ -46,14 +46,28 @@ def cache_copies(cfg, batch: int, capacity: int, layout: str, dtype=jnp.bfloat16
                     sds((L, B, K, C), jnp.int32), sds((L, B, K, C), jnp.bool_),
                     sds((), jnp.int32), sds((B,), jnp.int32))
     logits = sds((B, cfg.vocab_size), jnp.float32)
-    text = steps.decode.lower(
+    return steps.decode.lower(
         params, cache, logits, jax.random.PRNGKey(0), None, cfg=cfg, method=Method(),
         max_new=16, sampling=Sampling(), stop_ids=(2,),
-        kernels=Kernels(decode_layers=layout)).compile().as_text()
+        kernels=Kernels(decode_layers=layout)).compile()
+
+
+def cache_copies(compiled, cfg, batch: int, capacity: int, dtype=jnp.bfloat16) -> int:
+    """Copies of a layer's (or the stacked) K/V buffer in a `decode_program`'s optimized
+    HLO."""
+    L, B, K, C, D = cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim
     dt = _DTYPES[jnp.dtype(dtype).name]
     shapes = {f"{dt}[{B},{K},{C},{D}]", f"{dt}[{L},{B},{K},{C},{D}]"}
-    return sum(1 for m in re.finditer(r"= (\w+\[[\d,]*\])\{[^}]*\} copy\(", text)
-               if m.group(1) in shapes)
+    return sum(1 for m in re.finditer(r"= (\w+\[[\d,]*\])\{[^}]*\} copy\(",
+                                      compiled.as_text()) if m.group(1) in shapes)
+
+
+def temp_gib(compiled) -> float | None:
+    """The program's temporaries (XLA's `memory_analysis`; None where the backend gives
+    none): what it allocates beyond its arguments and outputs, e.g. a per-layer loop's
+    copies of the stacked weights and cache (`steps.decode` splits them once a call)."""
+    m = compiled.memory_analysis()
+    return None if m is None else m.temp_size_in_bytes / 2**30
 
 
 def main(argv=None) -> int:
@@ -64,19 +78,33 @@ def main(argv=None) -> int:
                    help="layers of the shape (each layer's program is the same)")
     p.add_argument("--cases", default="32768x1,8192x8,8192x1",
                    help="CAPACITYxBATCH comma list")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                   help="weights and cache dtype (default bfloat16, float32 with --small); on "
+                        "CPU float32 shows the temporaries a GPU has: XLA's CPU dots upcast "
+                        "bfloat16 operands, which adds a float32 copy of the weights")
     a = p.parse_args(argv)
     cases = "512x1,512x2" if a.small else a.cases
     cfg = shape_8b(a.layers, a.small, max(int(c.split("x")[0]) for c in cases.split(",")))
-    dtype = jnp.float32 if a.small else jnp.bfloat16
+    dtype = jnp.dtype(a.dtype) if a.dtype else jnp.float32 if a.small else jnp.bfloat16
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; {a.layers} layers, "
           f"kv heads {cfg.num_kv_heads}, head dim {cfg.head_dim}, {jnp.dtype(dtype).name}")
-    print("| capacity | batch | decode layers | K/V-sized copies in the decode program |")
-    print("|---|---|---|---|")
+    from kvjax.train import init_params
+
+    size = jnp.dtype(dtype).itemsize / 2**30
+    weights = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
+        lambda: init_params(cfg, jax.random.PRNGKey(0))))) * size
+    print(f"weights {weights:.3f} GiB")
+    print("| capacity | batch | decode layers | K/V-sized copies in the decode program | "
+          "K and V GiB | temporaries GiB |")
+    print("|---|---|---|---|---|---|")
     for c in cases.split(","):
         n, b = (int(v) for v in c.split("x"))
+        kv = 2 * cfg.num_layers * b * cfg.num_kv_heads * n * cfg.head_dim * size
         for layout in ("scan", "per_layer"):
-            print(f"| {n} | {b} | {layout} | {cache_copies(cfg, b, n, layout, dtype)} |",
-                  flush=True)
+            prog = decode_program(cfg, b, n, layout, dtype)
+            t = temp_gib(prog)
+            print(f"| {n} | {b} | {layout} | {cache_copies(prog, cfg, b, n, dtype)} | "
+                  f"{kv:.3f} | {'-' if t is None else f'{t:.3f}'} |", flush=True)
     return 0
 
 
