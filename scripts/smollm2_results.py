@@ -1003,8 +1003,9 @@ QWEN_ASL_VARIANT_PAIRS = [("asl_2pass", "gemfilter", {}, {}), ("asl_full_before"
 
 
 def _qwen_asl_variants(f, recs: list[dict], ctx: int) -> str:
-    """asl_2pass (ASL's selection, then GemFilter's second pass) and asl_full_before (the
-    full KV up to the selection layer) beside prefill_asl's records `recs` of file `f`."""
+    """asl_2pass (ASL's selection, then GemFilter's second pass), asl_full_before (the
+    full KV up to the selection layer) and FastKV at ASL's live KV beside prefill_asl's
+    records `recs` of file `f`."""
     g = f.with_name("asl_variants_" + f.name[len("prefill_asl_"):])
     if not g.exists():
         return ""
@@ -1013,8 +1014,9 @@ def _qwen_asl_variants(f, recs: list[dict], ctx: int) -> str:
     if not shown <= {r["method"] for r in own}:
         return ""
     # FastKV at ASL's KV: judged once its cell is in the file (added after the first two)
+    (budget, _), = QWEN_PREFILL["asl"][2]
     pairs = [(a, b, pa, pb) for a, b, pa, pb in QWEN_ASL_VARIANT_PAIRS
-             if b != "fastkv" or find(own, b, QWEN_PREFILL["asl"][2][0][0], **pb)]
+             if b != "fastkv" or find(own, b, budget, **pb)]
     every = own + recs  # full from recs: the same baselines file
     return (f"\n\n**ASL's other forms** (`scripts/sweeps_qwen.sh asl_variants`, `{g.relative_to(ROOT)}`, "
             "the same samples, reading and kernel): asl_2pass runs the model again from "
