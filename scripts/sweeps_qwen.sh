@@ -18,7 +18,7 @@
 #     SlimInfer/LazyLLM at 512 to run (~40 min); d2o 12 done 2026-11-29 (RoCo/CaM added);
 #     d2o_ablation 3 and critical_co 8 done 2026-11-29; asl_variants 2 to run (~1.5 h);
 #   vt: baselines 2 of 7 batches (~2 h left); cwe: aggregation 14 done 2026-11-29;
-#   perplexity: Genesis 7 of 15 runs, essays 0 of 15 (2026-11-29).
+#   perplexity: Genesis 15 of 15 runs (complete 2026-11-29, ~8-18 min a run), essays 0 of 15.
 #   8192 (`CTX=8192 nice bash scripts/sweeps_qwen.sh baselines ruler/niah_multikey_2`; the
 #   full cache answers 8 of 8 in ruler_8192_n8.jsonl): the full prefill ~95-100 s a sample
 #   alone in batches of 4 (MODEL.md; BATCH=4 by default at 8192, as the calibration ran), so
