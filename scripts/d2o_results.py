@@ -93,16 +93,16 @@ def _prefill(model, method, ids: list[int], prompt: int):
 def layer_sizes(model, method, ids: list[int], prompt: int) -> dict:
     """Each layer's cache size after the prompt (the method's `layer_sizes` statistic:
     D2O's S_l of Eq. 5/13), or, for `d2o_code`, which sizes its layers at the first decoding
-    step, its kept fractions r_l (`ratio` of its state); {} for a method with neither."""
-    _, _, state, stats = _prefill(model, method, ids, prompt)
-    return _layers_of(state, stats)
+    step, its kept fractions r_l (`layer_ratios`); {} for a method with neither
+    (docs/methods.md, D2O's "Stats")."""
+    return _layers_of(_prefill(model, method, ids, prompt)[3])
 
 
-def _layers_of(state, stats) -> dict:
+def _layers_of(stats) -> dict:
     if "layer_sizes" in stats:
-        return {"layer_sizes": np.asarray(stats["layer_sizes"])[0].tolist()}
-    if isinstance(state, dict) and "ratio" in state:
-        return {"layer_ratios": [round(float(x), 3) for x in np.asarray(state["ratio"])[:, 0]]}
+        return {"layer_sizes": [int(x) for x in np.asarray(stats["layer_sizes"])[0]]}
+    if "layer_ratios" in stats:
+        return {"layer_ratios": [round(float(x), 4) for x in np.asarray(stats["layer_ratios"])[0]]}
     return {}
 
 
@@ -112,7 +112,7 @@ def token_nll(model, method, ids: list[int], prompt: int) -> tuple[np.ndarray, d
     cfg, params = model.cfg, model.params
     T = len(ids)
     logits, cache, state, stats = _prefill(model, method, ids, prompt)
-    layers = _layers_of(state, stats)
+    layers = _layers_of(stats)
     nll = []
     for t in range(prompt, T):
         lp = jax.nn.log_softmax(logits[0].astype(jnp.float32))
