@@ -445,6 +445,10 @@ RULES = (
     "claim holds when that interval lies wholly above -5 points.\n"
     "- **uninformative**: both arms at or below 10%, or both at or above 95% where the claim "
     "is a difference: such a cell measures nothing. **cannot tell**: anything else.\n"
+    "- **Ids.** A claim's id (`#` and 6 hex digits on the pages) is a hash of what it "
+    "compares (model, paper, task, context, arms, budget, records), so it names the same "
+    "comparison in every render; its `p_holm` grows as a paper registers more comparisons, "
+    "so the pages' hand-written readings cite the id, not the number.\n"
     "- **Tuning held out.** Anything chosen from data (SnapKV's pooling kernel 17) is chosen "
     "on a dev seed (seed 1) and judged on seed 0 (`tuned_on`, `seed`; "
     "[pooling](pooling.md)).")
