@@ -160,6 +160,8 @@ def main() -> None:
     if a.layer_sizes:
         for label in a.methods:
             name, sets = split(label)
+            if name not in methods.names():
+                raise SystemExit(f"--methods {label}: {name!r} is not a registered method")
             for rho in ([] if name == "full" else a.ratios):
                 m = methods.create(name, **{k: json.loads(v) for k, v in sets.items()})
                 m = m.with_budget(max(1, int(round(a.prompt * rho))))

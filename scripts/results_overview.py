@@ -445,8 +445,9 @@ RULES = (
     "claim holds when that interval lies wholly above -5 points.\n"
     "- **uninformative**: both arms at or below 10%, or both at or above 95% where the claim "
     "is a difference: such a cell measures nothing. **cannot tell**: anything else.\n"
-    "- **Ids.** A claim's id (`#` and 6 hex digits on the pages) is a hash of what it "
-    "compares (model, paper, task, context, arms, budget, records), so it names the same "
+    "- **Ids.** A claim's id (`#` and 8 hex digits on the pages) is a hash of what it "
+    "compares (model, paper, page, task, context, scenario, budget, arms, kind, seed, "
+    "records), so it names the same "
     "comparison in every render; its `p_holm` grows as a paper registers more comparisons, "
     "so the pages' hand-written readings cite the id, not the number.\n"
     "- **Tuning held out.** Anything chosen from data (SnapKV's pooling kernel 17) is chosen "
@@ -472,11 +473,9 @@ def verdict_screen(results: Path) -> list[str]:
         return []
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     order = {v: i for i, v in enumerate(("holds", "does not hold", "cannot tell"))}
-    # ties keep the registry's order (ids are hashes: their order means nothing)
-    shown = [r for _, r in sorted(
-        ((i, r) for i, r in enumerate(rows) if r["verdict"] != "uninformative"),
-        key=lambda ir: (ir[1]["paper"], ir[1]["model"], order[ir[1]["verdict"]],
-                        ir[1]["context"], ir[0]))]
+    # a stable sort: ties keep the registry's order (ids are hashes, their order means nothing)
+    shown = sorted((r for r in rows if r["verdict"] != "uninformative"),
+                   key=lambda r: (r["paper"], r["model"], order[r["verdict"]], r["context"]))
     lines = ["| paper | claim | model | task, context | a vs b (budget) | verdict | effect "
              "a - b (points, or as named) | a wins : b wins | p_holm | page |", "|---" * 10 + "|"]
     for r in shown:

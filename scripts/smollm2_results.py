@@ -844,7 +844,7 @@ def _qwen_layer_plot(recs: list[dict], page: str, ctx: int, at, suffix: str = ""
     model = recs[0]["model"]
     return _layer_plot(ctx, [r for r in recs if r["method"] in methods],
                        recs[0]["task"].split("/")[-1], key, page, heads, at,
-                       (QWEN_TITLES[model], f"_{model}{suffix}"))
+                       (QWEN_TITLES.get(model, model), f"_{model}{suffix}"))
 
 
 def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 4096,
@@ -1013,10 +1013,6 @@ def _qwen_asl_variants(f, recs: list[dict], ctx: int) -> str:
     shown = {"asl_2pass", "asl_full_before"}
     if not shown <= {r["method"] for r in own}:
         return ""
-    # FastKV at ASL's KV: judged once its cell is in the file (added after the first two)
-    (budget, _), = QWEN_PREFILL["asl"][2]
-    pairs = [(a, b, pa, pb) for a, b, pa, pb in QWEN_ASL_VARIANT_PAIRS
-             if b != "fastkv" or find(own, b, budget, **pb)]
     every = own + recs  # full from recs: the same baselines file
     return (f"\n\n**ASL's other forms** (`scripts/sweeps_qwen.sh asl_variants`, `{g.relative_to(ROOT)}`, "
             "the same samples, reading and kernel): asl_2pass runs the model again from "
@@ -1026,7 +1022,8 @@ def _qwen_asl_variants(f, recs: list[dict], ctx: int) -> str:
             + _asl_layers(own, "asl_2pass") + "; asl_full_before "
             + _asl_layers(own, "asl_full_before") + ".\n\n"
             + table(every, shown | {"full", "asl", "gemfilter", "fastkv"}) + "\n\n"
-            + claims(every, pairs, QWEN_PREFILL["asl"][2]))
+            # FastKV at ASL's KV, added after the first two, is judged once its cell exists
+            + claims(every, QWEN_ASL_VARIANT_PAIRS, QWEN_PREFILL["asl"][2]))
 
 
 def qwen_asl_dev(task: str = "niah_multikey_2", ctx: int = 4096) -> str | None:
@@ -1729,19 +1726,20 @@ def asl_curves() -> str | None:
             "![ASL relative rank variance](asl_relvar_smollm2.png)\n\n" + "\n".join(rows))
 
 
+# what a claim compares (not `metric`, which the scores decide: binary or not)
 CLAIM_IDENTITY = ("model", "paper", "page", "task", "context", "scenario", "budget", "a", "b",
-                  "kind", "metric", "seed", "records")
+                  "kind", "seed", "records")
 
 
 def claim_id(r: dict) -> str:
-    """A claim's id: 6 hex digits of a hash of what it compares, never of its results, so an
+    """A claim's id: 8 hex digits of a hash of what it compares, never of its results, so an
     id cited on a page names the same comparison after later sweeps register others (an
     index into claims.jsonl renumbered on every render) and as its records grow."""
     import hashlib
     import json
 
     what = json.dumps({k: r[k] for k in CLAIM_IDENTITY}, sort_keys=True)
-    return hashlib.sha1(what.encode()).hexdigest()[:6]
+    return hashlib.sha1(what.encode()).hexdigest()[:8]
 
 
 def write_registry() -> list[dict]:
@@ -1757,9 +1755,13 @@ def write_registry() -> list[dict]:
     seen: dict[str, dict] = {}
     for r in rows:
         if r["id"] in seen:
-            raise ValueError(f"two claims share id {r['id']}: {r['claim']!r} "
-                             f"({r['a']} vs {r['b']}, {r['records']}); each comparison must be "
-                             "registered once")
+            o = seen[r["id"]]
+            same = all(o[k] == r[k] for k in CLAIM_IDENTITY)
+            raise ValueError(
+                f"two claims share id {r['id']}: {r['a']} vs {r['b']} ({r['records']}) and "
+                f"{o['a']} vs {o['b']} ({o['records']}): "
+                + ("the same comparison registered twice" if same else
+                   "a hash collision: lengthen claim_id"))
         seen[r["id"]] = r
     path = ROOT / "docs" / "results" / "claims.jsonl"
     path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))

@@ -15,8 +15,8 @@
 # Status (n = 50 a cell, RULER's samples 16-65, 4096 tokens; hours on 2 cores):
 #   niah_multikey_2: baselines 16 cells done; pooling (dev) 8 done; papers 22 done;
 #     asl_dev 1 done (30 min); prefill 5 done (ASL group ~75 min, SlimInfer/LazyLLM ~55 min),
-#     SlimInfer/LazyLLM at 512 to run (~40 min); d2o 12 done 2026-11-29 (RoCo/CaM added);
-#     d2o_ablation 3 and critical_co 8 done 2026-11-29; asl_variants 2 to run (~1.5 h);
+#     SlimInfer/LazyLLM at 512 done 2026-11-29 (~30 min); d2o 12 done 2026-11-29 (RoCo/CaM added);
+#     d2o_ablation 3 and critical_co 8 done 2026-11-29; asl_variants 3 to run (~2 h);
 #   vt: baselines 2 of 7 batches (~2 h left); cwe: aggregation 14 done 2026-11-29;
 #   perplexity: Genesis 15 of 15 runs (complete 2026-11-29, ~8-18 min a run), essays 0 of 15.
 #   8192 (`CTX=8192 nice bash scripts/sweeps_qwen.sh baselines ruler/niah_multikey_2`; the
@@ -109,7 +109,7 @@
 #   runs a text; SmolLM2 took 3 min a run, this model ~4x: ~2-2.5 h a text). Declared
 #   (PPL_CLAIMS, smollm2_results.py): D2O better than H2O, StreamingLLM, RoCo and CaM,
 #   judged over 128-token blocks. Added 2026-11-29, once D2O read 99 / 125 at rho 0.2 / 0.4
-#   against H2O's 18 / 16 on Genesis (Eq. 5's softmax over the raw variances gave 11 of 24
+#   against H2O's 18 / 16 on Genesis (Eq. 5's softmax over the raw variances gave 12 of 24
 #   layers the floor of 6 entries there): D2O with uniform layer budgets
 #   (`d2o:variance_layers=false`; PPL_CLAIMS' D2O vs it), which took SmolLM2's D2O from
 #   15.9 to 7.9, and the authors' code reading (`d2o_code`: min-max normalised variances;

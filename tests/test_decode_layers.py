@@ -109,6 +109,8 @@ def test_appends_are_in_place_in_the_compiled_decode():
             (batch, layout)
     # the counter sees the copies where they are
     assert cache_copies(prog[1, "per_layer"], cfg, 1, 256, jnp.float32) > 0
+    if temp_gib(prog[2, "scan"]) is None:
+        pytest.skip("this backend gives no memory analysis")
     kv = 2 * cfg.num_layers * 2 * cfg.num_kv_heads * 256 * cfg.head_dim * 4 / 2**30
     assert temp_gib(prog[2, "per_layer"]) - temp_gib(prog[2, "scan"]) >= kv
 

@@ -50,7 +50,8 @@ def test_claim_ids_name_the_comparison_not_its_results(monkeypatch):
     assert [r["id"] for r in rows] == [s.claim_id(r) for r in rows]
     assert len({r["id"] for r in rows}) == len(rows)
     r = rows[0]
-    assert s.claim_id({**r, "n": r["n"] + 10, "a_wins": 0, "verdict": "cannot tell"}) == r["id"]
+    assert s.claim_id({**r, "n": r["n"] + 10, "a_wins": 0, "verdict": "cannot tell",
+                       "metric": "score"}) == r["id"]
     assert s.claim_id({**r, "a": r["a"] + "x"}) != r["id"]
 
 
@@ -571,7 +572,7 @@ exec {sys.executable} "$@"
             "asl_2pass.rank_from=l_min --set asl_full_before.rank_from=l_min --set "
             "fastkv.tsp_rate=0.125") in line
     assert "--budget 512 " in line
-    (line,) = runs(["key"], MODEL="qwen2.5-coder-1.5b")
+    (line,) = runs(["key", "ruler/niah_multikey_2"], MODEL="qwen2.5-coder-1.5b")
     assert "--model qwen2.5-coder-1.5b" in line and "--budget 512 " in line
     assert ("--set snapkv.kernel=17 --set ada_snapkv.kernel=17 --set lava.kernel=17 "
             "--set critical_snapkv.kernel=17 --set pyramidkv.kernel=7") in line

@@ -91,9 +91,11 @@ def main(argv=None) -> int:
     from kvjax.train import init_params
 
     size = jnp.dtype(dtype).itemsize / 2**30
-    weights = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
-        lambda: init_params(cfg, jax.random.PRNGKey(0))))) * size
-    print(f"weights {weights:.3f} GiB")
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    weights = sum(x.size for x in jax.tree.leaves(shapes)) * size
+    layers = sum(x.size for x in jax.tree.leaves(shapes["layers"])) * size
+    print(f"weights {weights:.3f} GiB, of which the stacked layers' {layers:.3f} (what a "
+          "per-layer loop splits)")
     print("| capacity | batch | decode layers | K/V-sized copies in the decode program | "
           "K and V GiB | temporaries GiB |")
     print("|---|---|---|---|---|---|")
