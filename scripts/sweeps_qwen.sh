@@ -164,7 +164,11 @@ EOF
 run() {  # file, then arguments; the records (or a stopped sweep's batches) slimmed after
   local f=$D/$1; shift
   if [ -e "$f" ] || [ -e "$f.batches" ]; then $R "$@" --output "$f" --resume; else $R "$@" --output "$f"; fi
-  for g in "$f" "$f.batches"; do [ -e "$g" ] && python scripts/smollm2_results.py --slim "$g"; done
+  # LazyLLM's per-token kept sets (up to 30 KB a sample) say nothing the pages read
+  local every=(); case $f in */prefill_slim_*) every=(--every-method) ;; esac
+  for g in "$f" "$f.batches"; do
+    [ -e "$g" ] && python scripts/smollm2_results.py "${every[@]}" --slim "$g"
+  done
   true
 }
 

@@ -572,6 +572,9 @@ exec {sys.executable} "$@"
             "asl_2pass.rank_from=l_min --set asl_full_before.rank_from=l_min --set "
             "fastkv.tsp_rate=0.125") in line
     assert "--budget 512 " in line
+    runs(["prefill", "ruler/niah_multikey_2"])  # LazyLLM's per-token kept sets slimmed
+    assert ("--every-method --slim docs/results/qwen2.5-coder-0.5b/prefill_slim_"
+            in log.read_text())
     (line,) = runs(["key", "ruler/niah_multikey_2"], MODEL="qwen2.5-coder-1.5b")
     assert "--model qwen2.5-coder-1.5b" in line and "--budget 512 " in line
     assert ("--set snapkv.kernel=17 --set ada_snapkv.kernel=17 --set lava.kernel=17 "
