@@ -139,7 +139,8 @@ def test_registry_holds_the_issues_five_comparisons():
 def test_pages_show_the_registrys_verdicts():
     """Each row's page (or MODEL.md's calibration, for the rows it reads) carries the row's
     verdict on the table line that names the row's id; hand-written text that cites the id
-    names the same verdict near it (300 characters before the id, 40 after)."""
+    names the same verdict near it (in its sentence before the id, at most 300 characters
+    back, or within 40 characters after)."""
     text = {p: (ROOT / p).read_text() for p in {r["page"] for r in _registry()} | {"MODEL.md"}}
     for r in _registry():
         tag = re.compile(rf"#{r['id']}\b")
@@ -151,7 +152,9 @@ def test_pages_show_the_registrys_verdicts():
             for m in tag.finditer(text[p]):
                 line = text[p][text[p].rfind("\n", 0, m.start()) + 1:m.start()]
                 if not line.startswith("|"):
-                    near = text[p][max(0, m.start() - 300):m.end() + 40]
+                    before = text[p][:m.start()]  # from the sentence's start at most
+                    start = max(before.rfind(". "), before.rfind("\n- "), m.start() - 300)
+                    near = text[p][max(0, start):m.end() + 40]
                     assert r["verdict"] in near.replace("\n  ", " "), (r["id"], near)
 
 
