@@ -113,15 +113,21 @@ def token_nll(model, method, ids: list[int], prompt: int) -> tuple[np.ndarray, d
     T = len(ids)
     logits, cache, state, stats = _prefill(model, method, ids, prompt)
     layers = _layers_of(stats)
-    nll = []
+    logp = []  # kept on the device: one host transfer at the end, not a sync per token
     for t in range(prompt, T):
-        lp = jax.nn.log_softmax(logits[0].astype(jnp.float32))
-        nll.append(-float(lp[ids[t]]))
+        logp.append(jax.nn.log_softmax(logits[0].astype(jnp.float32))[ids[t]])
         if t + 1 < T:
             logits, cache, state = engine.extend(params, cache, jnp.array([[ids[t]]]),
                                                  jnp.ones((1, 1), bool), state, cfg=cfg,
                                                  method=method)
-    return np.array(nll), layers
+    return -np.asarray(jnp.stack(logp), np.float64), layers
+
+
+def _method_at(name: str, sets: dict, rho: float | None, prompt: int):
+    """A method with its `--methods` settings (JSON-decoded), keeping rho of the prompt
+    (None: its own budget, the full cache)."""
+    m = methods.create(name, **sets)
+    return m if rho is None else m.with_budget(max(1, int(round(prompt * rho))))
 
 
 def spans(prompt: int, split: int, T: int) -> list[tuple[int, int]]:
@@ -163,8 +169,8 @@ def main() -> None:
             if name not in methods.names():
                 raise SystemExit(f"--methods {label}: {name!r} is not a registered method")
             for rho in ([] if name == "full" else a.ratios):
-                m = methods.create(name, **{k: json.loads(v) for k, v in sets.items()})
-                m = m.with_budget(max(1, int(round(a.prompt * rho))))
+                m = _method_at(name, {k: json.loads(v) for k, v in sets.items()}, rho,
+                               a.prompt)
                 print(json.dumps({"label": label, "rho": rho, "budget": m.budget,
                                   **layer_sizes(model, m, ids, a.prompt)}))
         return
@@ -178,9 +184,7 @@ def main() -> None:
             key = dict(setting, label=label, rho=rho or 1.0)
             if any(all(r.get(k) == v for k, v in key.items()) for r in done):
                 continue
-            m = methods.create(name, **sets)
-            if rho is not None:
-                m = m.with_budget(max(1, int(round(a.prompt * rho))))
+            m = _method_at(name, sets, rho, a.prompt)
             t0 = time.perf_counter()
             nll, layers = token_nll(model, m, ids, a.prompt)
             for lo, hi in spans(a.prompt, a.ppl_split, len(ids)):
