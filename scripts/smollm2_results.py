@@ -354,8 +354,10 @@ def _register(ra: list[dict], rb: list[dict], part: str, scenario: str) -> int:
     binary = cl.is_binary(a_s + b_s)
     row["metric"] = "accuracy" if binary else "score"
     row.update(cl.compare(a_s, b_s, binary))
-    same = [i for i, o in enumerate(REGISTRY)
-            if (o["a_records"], o["b_records"]) == (row["a_records"], row["b_records"])]
+    # records are keyed by method, budget, task and samples, not by model: the model too,
+    # or the 1.5B's comparison would be read as the 0.5B's of the same samples
+    same = [i for i, o in enumerate(REGISTRY) if (o["model"], o["a_records"], o["b_records"])
+            == (row["model"], row["a_records"], row["b_records"])]
     if same:
         return same[0]
     REGISTRY.append(row)

@@ -35,7 +35,7 @@
 #   task's shared prefill at n = 50 ~2.5 h. First `calibrate` (the full cache on RULER's
 #   samples 0-7 of niah_multikey_2 and cwe, ~25 min a task), then `key` on the tasks it
 #   solves (calibrated 2026-11-29, ruler_4096_n8.jsonl: niah_multikey_2 8 of 8, cwe 48%, so
-#   `key` runs niah_multikey_2 only; a batch of 8 took 1022 s of prefill and 6.8 s a decode
+#   `key` runs niah_multikey_2 only (complete 2026-11-29, 7 batches, ~26 min a batch alone); a batch of 8 took 1022 s of prefill and 6.8 s a decode
 #   step with a test suite and another sweep beside it): each paper's key comparison at 1/8 of 4096 (512), one shared prefill and 8 cells
 #   (~1 h): full, SnapKV, Ada-SnapKV, PyramidKV, H2O, StreamingLLM (the baselines' claims),
 #   LAVa (vs Ada-SnapKV), CriticalKV over SnapKV, D2O (vs H2O). Kernel (decided 2026-11-29,

@@ -55,6 +55,29 @@ def test_claim_ids_name_the_comparison_not_its_results(monkeypatch):
     assert s.claim_id({**r, "a": r["a"] + "x"}) != r["id"]
 
 
+def test_each_model_registers_its_own_claims(monkeypatch):
+    """The same comparison (methods, budget, task, samples) on two models is two registry
+    rows: records are keyed without their model, and the 1.5B's key sweep once read the
+    0.5B's rows of the same samples."""
+    monkeypatch.syspath_prepend(str(SCRIPTS[0].parent))
+    import smollm2_results as s
+
+    def rec(model, method, score):
+        return {"model": model, "method": method, "scenario": "question_aware",
+                "context_length": 4096, "task": "ruler/niah_multikey_2", "seed": 0,
+                "samples": 4, "budget": None if method == "full" else 512, "ratio": None,
+                "params": {}, "_files": [f"{model}.jsonl"],
+                "details": [{"answer": [str(i)], "depth": i, "score": score} for i in range(4)]}
+
+    monkeypatch.setattr(s, "REGISTRY", [])
+    monkeypatch.setitem(s.PAGE, "name", "baselines")
+    i = s._register([rec("m1", "snapkv", 1.0)], [rec("m1", "full", 1.0)], "1/8", "question_aware")
+    j = s._register([rec("m2", "snapkv", 0.0)], [rec("m2", "full", 1.0)], "1/8", "question_aware")
+    assert i != j and [r["model"] for r in s.REGISTRY] == ["m1", "m2"]
+    assert s._register([rec("m1", "snapkv", 1.0)], [rec("m1", "full", 1.0)], "1/8",
+                       "question_aware") == i  # one comparison read on two pages: one row
+
+
 def test_results_pooling_and_sweep_time(monkeypatch):
     """LAVa's average over tasks pools each method's samples of every task (a method
     missing from one task drops out); a sweep's minutes count a shared prefill once per
