@@ -350,16 +350,16 @@ def _register(ra: list[dict], rb: list[dict], part: str, scenario: str) -> int:
            "b_records": [cl.record_key(r) for r in rb], "seed": x["seed"],
            "tuned_on": _tuned_on(x, y),
            "page": f"docs/results/{PAGE['name']}.md"}
-    a_s, b_s = cl.scores_of(ra, rb)
-    binary = cl.is_binary(a_s + b_s)
-    row["metric"] = "accuracy" if binary else "score"
-    row.update(cl.compare(a_s, b_s, binary))
     # records are keyed by method, budget, task and samples, not by model: the model too,
     # or the 1.5B's comparison would be read as the 0.5B's of the same samples
     same = [i for i, o in enumerate(REGISTRY) if (o["model"], o["a_records"], o["b_records"])
             == (row["model"], row["a_records"], row["b_records"])]
-    if same:
+    if same:  # found before its statistics are computed again
         return same[0]
+    a_s, b_s = cl.scores_of(ra, rb)
+    binary = cl.is_binary(a_s + b_s)
+    row["metric"] = "accuracy" if binary else "score"
+    row.update(cl.compare(a_s, b_s, binary))
     REGISTRY.append(row)
     return len(REGISTRY) - 1
 

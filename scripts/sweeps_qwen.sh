@@ -16,7 +16,7 @@
 #   niah_multikey_2: baselines 16 cells done; pooling (dev) 8 done; papers 22 done;
 #     asl_dev 1 done (30 min); prefill 5 done (ASL group ~75 min, SlimInfer/LazyLLM ~55 min),
 #     SlimInfer/LazyLLM at 512 done 2026-11-29 (~30 min); d2o 12 done 2026-11-29 (RoCo/CaM added);
-#     d2o_ablation 3 and critical_co 8 done 2026-11-29; asl_variants 3 to run (~2 h);
+#     d2o_ablation 3, critical_co 8 and asl_variants 3 done 2026-11-29;
 #   vt: baselines 2 of 7 batches (~2 h left); cwe: aggregation 14 done 2026-11-29;
 #   perplexity: Genesis 15 of 15 runs (complete 2026-11-29, ~8-18 min a run), essays 0 of 15.
 #   8192 (`CTX=8192 nice bash scripts/sweeps_qwen.sh baselines ruler/niah_multikey_2`; the
@@ -35,7 +35,9 @@
 #   task's shared prefill at n = 50 ~2.5 h. First `calibrate` (the full cache on RULER's
 #   samples 0-7 of niah_multikey_2 and cwe, ~25 min a task), then `key` on the tasks it
 #   solves (calibrated 2026-11-29, ruler_4096_n8.jsonl: niah_multikey_2 8 of 8, cwe 48%, so
-#   `key` runs niah_multikey_2 only (complete 2026-11-29, 7 batches, ~26 min a batch alone); a batch of 8 took 1022 s of prefill and 6.8 s a decode
+#   `key` runs niah_multikey_2 only (complete 2026-11-29, 7 batches, ~26 min a batch
+#   alone, 18.5 GB RSS: nothing else fits beside it); a batch of 8 took 1022 s of prefill
+#   and 6.8 s a decode
 #   step with a test suite and another sweep beside it): each paper's key comparison at 1/8 of 4096 (512), one shared prefill and 8 cells
 #   (~1 h): full, SnapKV, Ada-SnapKV, PyramidKV, H2O, StreamingLLM (the baselines' claims),
 #   LAVa (vs Ada-SnapKV), CriticalKV over SnapKV, D2O (vs H2O). Kernel (decided 2026-11-29,
