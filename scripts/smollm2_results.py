@@ -392,7 +392,9 @@ def claims(recs: list[dict], pairs, at, scenario: str = "question_aware") -> str
     of a, params of b); `at` = (None,): the methods' own defaults (full's record for b =
     full). Returns a placeholder that `main` fills with the table once every page's
     comparisons are known (Holm is over a paper's comparisons on the model)."""
-    ids = []
+    from kvjax.claims import spec
+
+    ids, missing = [], []
     for b, part in (((None, "their defaults"),) if at == (None,) else at):
         for x, y, px, py in pairs:
             rx = (next((r for r in recs if r["method"] == x), None) if b is None
@@ -401,8 +403,15 @@ def claims(recs: list[dict], pairs, at, scenario: str = "question_aware") -> str
             if rx and ry:
                 ids.append(_register(rx.get("_parts", [rx]), ry.get("_parts", [ry]), part,
                                      scenario))
+            else:  # said, so that a declared comparison never vanishes from its page
+                missing.append([spec(m, pm) for m, pm, r in ((x, px, rx), (y, py, ry)) if not r])
     TABLES.append(ids)
-    return f"@@claims-table-{len(TABLES) - 1}@@"
+    table = f"@@claims-table-{len(TABLES) - 1}@@" if ids else ""
+    if missing:
+        arms = ", ".join(sorted({a for m in missing for a in m}))
+        table += (("\n\n" if ids else "") + f"Declared, not measured here: {len(missing)} "
+                  f"comparison{'s' * (len(missing) > 1)}, no records of {arms} at these budgets.")
+    return table
 
 
 def claims_table(rows: list[dict]) -> str:

@@ -78,6 +78,31 @@ def test_each_model_registers_its_own_claims(monkeypatch):
                        "question_aware") == i  # one comparison read on two pages: one row
 
 
+def test_a_declared_comparison_without_records_is_said(monkeypatch):
+    """A declared pair whose arm has no record is named under the page's table (it once
+    vanished from the page), and a pair with both arms is judged as before."""
+    monkeypatch.syspath_prepend(str(SCRIPTS[0].parent))
+    import smollm2_results as s
+
+    def rec(method, budget):
+        return {"model": "m", "method": method, "scenario": "question_aware",
+                "context_length": 1024, "task": "niah_single", "seed": 0, "samples": 2,
+                "budget": budget, "ratio": None, "params": {}, "_files": ["x.jsonl"],
+                "details": [{"answer": ["1"], "depth": i, "score": 1.0} for i in range(2)]}
+
+    monkeypatch.setattr(s, "REGISTRY", [])
+    monkeypatch.setattr(s, "TABLES", [])
+    monkeypatch.setitem(s.PAGE, "name", "baselines")
+    recs = [rec("snapkv", 128), rec("h2o", 128)]
+    out = s.claims(recs, [("snapkv", "h2o", {}, {}), ("tova", "h2o", {}, {}),
+                          ("pyramidkv", "tova", {}, {})], [(128, "1/8")])
+    assert out.startswith("@@claims-table-0@@") and s.TABLES == [[0]]
+    assert out.endswith("Declared, not measured here: 2 comparisons, no records of "
+                        "pyramidkv, tova at these budgets."), out
+    assert s.claims(recs, [("snapkv", "h2o", {}, {})], [(64, "1/16")]) == (
+        "Declared, not measured here: 1 comparison, no records of h2o, snapkv at these budgets.")
+
+
 def test_results_pooling_and_sweep_time(monkeypatch):
     """LAVa's average over tasks pools each method's samples of every task (a method
     missing from one task drops out); a sweep's minutes count a shared prefill once per
