@@ -34,3 +34,15 @@ def test_small_check_writes_every_section(tmp_path):
     text = out.read_text()
     assert "Run 1:" in text and "Run 2:" in text
     assert "| 2 | 256 | auto | snapkv | ok |" in text and "| 1 | 256 | auto | snapkv | ok |" in text
+
+
+@pytest.mark.parametrize("case", ["1024x1:scan:no_such_method", "1024x1:sideways", "1024:scan"])
+def test_profile_cases_refuse_what_they_cannot_run(case, tmp_path, capsys):
+    """`--profile-cases CONTEXTxBATCH:LAYOUT[:METHOD]`: a bad case is one usage error that
+    names it, before any model is built."""
+    with pytest.raises(SystemExit) as e:
+        gpu.main(["--small", "--steps", "profile", "--profile-cases", case,
+                  "--out", str(tmp_path / "gpu.md")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert repr(case) in err and "LAYOUT[:METHOD]" in err, err

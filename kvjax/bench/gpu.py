@@ -14,9 +14,10 @@ later steps keep (`RESERVE_S`); what does not fit is listed as not run:
   per-layer buffers and over the layer scan, and SnapKV at 1/8 (`ROOFLINE_VARIANTS`): MFU = prefill
   FLOPs / TTFT / the bf16 matmul rate measured in this run; the bound = (weight bytes +
   live KV bytes) / the copy bandwidth measured in this run;
-- profile: device time per op (jax.profiler) of a full-cache prefill and decode step for
-  each `--profile-cases` (context x batch : decode layer loop; default the largest context,
-  batch 1); the Perfetto traces land beside `--out`;
+- profile: device time per op (jax.profiler) of a prefill and decode step for each
+  `--profile-cases` (context x batch : decode layer loop [: method, default full]; default
+  the largest context, batch 1); the device total against the wall time per token shows
+  what a host loop (SlimInfer's offload) adds; the Perfetto traces land beside `--out`;
 - kernels: `python -m kvjax.bench.kernels` (each kernel op against its xla reference);
 - xla: `--xla-methods` again with every kernel xla (the comparison);
 - tests: the fast tests on this backend (`pytest -m "not slow"` over `--tests`, in
@@ -198,8 +199,9 @@ def roofline(model, cases, deadline, rates, variants=ROOFLINE_VARIANTS):
     return rows
 
 
-def profile(model, n: int, out_dir: Path, batch: int = 1, layout: str = "auto") -> str:
-    """Device time per op for the full cache at `n` tokens x `batch` with the decode layer
+def profile(model, n: int, out_dir: Path, batch: int = 1, layout: str = "auto",
+            method: str = "full") -> str:
+    """Device time per op for `method` at `n` tokens x `batch` with the decode layer
     loop `layout` (`Kernels.decode_layers`): a prefill (1 new token) and a prefill + 32
     tokens, each traced with `jax.profiler` (Perfetto JSON under `out_dir`); the decode
     column is the difference of the two over 31 tokens (so a once-per-generation cost,
@@ -214,10 +216,10 @@ def profile(model, n: int, out_dir: Path, batch: int = 1, layout: str = "auto") 
 
     rng = np.random.default_rng(3)
     ids = [[int(x) for x in rng.integers(3, model.cfg.vocab_size - 1, n)] for _ in range(batch)]
-    gen = partial(kvjax.generate, model, ids if batch > 1 else ids[0],
+    gen = partial(kvjax.generate, model, ids if batch > 1 else ids[0], method,
                   kernels=Kernels(decode_layers=layout))
     gen(max_new_tokens=32)  # compiles outside the traces
-    totals, tag = {}, f"{n}x{batch}_{layout}"
+    totals, tag = {}, f"{n}x{batch}_{layout}" + (f"_{method}" if method != "full" else "")
     for label, new in (("prefill", 1), ("gen32", 32)):
         d = Path(tempfile.mkdtemp()) / label
         with jax.profiler.trace(str(d), create_perfetto_trace=True):
@@ -244,7 +246,8 @@ def profile(model, n: int, out_dir: Path, batch: int = 1, layout: str = "auto") 
         if not totals[label]:
             return f"no device events in the trace (processes: {sorted(set(procs.values()))})"
     pre, g32 = totals["prefill"], totals["gen32"]
-    lines = [f"{n} tokens x {batch}, decode_layers {r.stats['kernels']['decode_layers']}, "
+    lines = [f"{n} tokens x {batch}, {method}, "
+             f"decode_layers {r.stats['kernels']['decode_layers']}, "
              f"tpot {r.stats['tpot_s'] * 1e3:.2f} ms (wall, 32 tokens)",
              f"{'op':70} {'prefill ms':>11} {'decode ms/tok':>14}"]
     for name, _ in (pre + g32).most_common(25):
@@ -370,8 +373,9 @@ def main(argv=None) -> int:
     p.add_argument("--roofline-cases", default=None,
                    help="CONTEXTxBATCH comma list (default: each context x1, the smallest x8)")
     p.add_argument("--profile-cases", default=None,
-                   help="CONTEXTxBATCH:LAYOUT comma list for the profile step (LAYOUT: a "
-                   "Kernels.decode_layers value; default: the largest context x1:auto)")
+                   help="CONTEXTxBATCH:LAYOUT[:METHOD] comma list for the profile step "
+                   "(LAYOUT: a Kernels.decode_layers value; METHOD: a registered method, "
+                   "default full; default: the largest context x1:auto)")
     p.add_argument("--append", action="store_true",
                    help="add this run's rows to those in the --out file's .jsonl")
     p.add_argument("--out", type=Path, default=ROOT / "docs/results/gpu.md")
@@ -413,11 +417,12 @@ def main(argv=None) -> int:
              if a.roofline_cases else [(n, 1) for n in contexts] + [(min(contexts), 8)])
     profile_cases = []
     for c in (a.profile_cases or f"{max(contexts)}x1:auto").split(","):
-        m = re.fullmatch(r"(\d+)x(\d+):(\w+)", c)
-        if not m or m[3] not in DECODE_LAYERS:
-            p.error(f"--profile-cases: {c!r} is not CONTEXTxBATCH:LAYOUT with LAYOUT one of "
-                    f"{DECODE_LAYERS}")
-        profile_cases.append(((int(m[1]), int(m[2])), m[3]))
+        m = re.fullmatch(r"(\d+)x(\d+):(\w+)(?::(\w+))?", c)
+        if not m or m[3] not in DECODE_LAYERS or (m[4] and m[4] not in methods.names()):
+            p.error(f"--profile-cases: {c!r} is not CONTEXTxBATCH:LAYOUT[:METHOD] with LAYOUT "
+                    f"one of {DECODE_LAYERS} and METHOD a registered method "
+                    "(python -m kvjax.run --list-methods)")
+        profile_cases.append(((int(m[1]), int(m[2])), m[3], m[4] or "full"))
     models: dict = {}  # one random model per depth for the run (an 8B init takes seconds)
 
     def model_of(layers: int):
@@ -435,12 +440,13 @@ def main(argv=None) -> int:
                 roof += [dict(r, run=run) for r in roofline(model, cases, until, rates)]
             else:
                 parts = []
-                for (n, batch), layout in profile_cases:
+                for (n, batch), layout, meth in profile_cases:
                     if time.perf_counter() > until - 30:
-                        parts.append(f"{n} tokens x {batch}, {layout}: not run (time budget)")
+                        parts.append(f"{n} tokens x {batch}, {meth}, {layout}: not run "
+                                     "(time budget)")
                         continue
                     try:
-                        parts.append(profile(model, n, a.out.parent, batch, layout))
+                        parts.append(profile(model, n, a.out.parent, batch, layout, meth))
                     except Exception:
                         parts.append(traceback.format_exc(limit=4))
                     print(parts[-1], file=sys.stderr, flush=True)  # kept if the run is cut
