@@ -454,8 +454,9 @@ def intro(ctx: int, recs: list[dict], files: str, extra: str = "", task: str = T
             "sweep's wall times on a 2-core machine that sometimes ran other work: compare "
             "them within one records file, not across files. Rendered by `python "
             f"scripts/smollm2_results.py` from docs/results/smollm2/{files}; the sweeps: "
-            f"`scripts/sweeps_smollm2.sh` (these records: {_sweep_minutes(recs):.0f} min on "
-            "2 cores, summed from their own TTFT, TPOT and compile times). The claims are "
+            f"`scripts/sweeps_smollm2.sh` (these records: at most {_sweep_minutes(recs):.0f} "
+            "min on 2 cores, summed from their own TTFT, TPOT and compile times, each "
+            "decode at its max_new_tokens). The claims are "
             "judged paired on the same prompts (`a wins : b wins`: the samples only one of "
             "the two answers; exact McNemar, Holm over the paper's comparisons on this "
             "model; the rules and the verdicts' meaning: docs/results/README.md; each row "
@@ -463,15 +464,17 @@ def intro(ctx: int, recs: list[dict], files: str, extra: str = "", task: str = T
 
 
 def _sweep_minutes(recs: list[dict], batch: int = 8) -> float:
-    """What the sweeps behind `recs` cost, from the records' own clocks: per batch of
-    `batch` (the sweep script's), each method's TTFT (its own compression where the prefill
-    was shared, plus that shared prefill once per group of jobs that shared it) and TPOT
-    x tokens, plus each record's compile time."""
+    """What the sweeps behind `recs` cost at most, from the records' own clocks: per batch
+    (the record's `batches`, else `batch` a batch), each method's TTFT (its own compression
+    where the prefill was shared, plus that shared prefill once per group of jobs that
+    shared it) and TPOT x max_new_tokens, plus each record's compile time. An upper bound:
+    records do not count the steps run, and an answer that stops early (a niah value, ~10
+    of RULER's 128 tokens) decodes far fewer."""
     import math
 
     total, shared = 0.0, {}
     for r in recs:
-        n = math.ceil(r["samples"] / batch)
+        n = r.get("batches") or math.ceil(r["samples"] / batch)
         own = r["ttft_own_s"] if r.get("prefill") == "shared" else r["ttft_s"]
         total += n * (own + (r["max_new_tokens"] or 0) * (r["tpot_s"] or 0))
         total += r.get("compile_s") or 0
@@ -709,7 +712,8 @@ def _qwen_baseline_blocks(ctx: int) -> list[str]:
             f"(`--ruler-skip {skip}`: the calibration chose the task on samples 0-15), "
             f"plain prompts, {ctx} tokens, question-aware, "
             f"seed {recs[0]['seed']}; {report.model_line(recs)}. Full cache: {fmt(full)}. Records: `{rel}` "
-            f"({_sweep_minutes(recs):.0f} min on 2 cores by their own clocks)"
+            f"(at most {_sweep_minutes(recs):.0f} min on 2 cores by their own clocks, each "
+            "decode counted at its max_new_tokens)"
             + (f"; ObservedAttention's: `{papers.relative_to(ROOT)}`" if any(
                 r["method"] == "observed_attention" for r in recs) else "")
             + f"; the declared comparisons read the SnapKV family at kernel "
