@@ -454,35 +454,44 @@ def intro(ctx: int, recs: list[dict], files: str, extra: str = "", task: str = T
             "sweep's wall times on a 2-core machine that sometimes ran other work: compare "
             "them within one records file, not across files. Rendered by `python "
             f"scripts/smollm2_results.py` from docs/results/smollm2/{files}; the sweeps: "
-            f"`scripts/sweeps_smollm2.sh` (these records: at most {_sweep_minutes(recs):.0f} "
-            "min on 2 cores, summed from their own TTFT, TPOT and compile times, each "
-            "decode at its max_new_tokens). The claims are "
+            f"`scripts/sweeps_smollm2.sh` (these records: {_minutes_text(recs)} on 2 cores, "
+            "summed from their own TTFT, TPOT x steps and compile times; `at most`: decoding "
+            "counted at max_new_tokens, where records hold no step count). The claims are "
             "judged paired on the same prompts (`a wins : b wins`: the samples only one of "
             "the two answers; exact McNemar, Holm over the paper's comparisons on this "
             "model; the rules and the verdicts' meaning: docs/results/README.md; each row "
             "is the line of docs/results/claims.jsonl with its id).")
 
 
-def _sweep_minutes(recs: list[dict], batch: int = 8) -> float:
-    """What the sweeps behind `recs` cost at most, from the records' own clocks: per batch
-    (the record's `batches`, else `batch` a batch), each method's TTFT (its own compression
-    where the prefill was shared, plus that shared prefill once per group of jobs that
-    shared it) and TPOT x max_new_tokens, plus each record's compile time. An upper bound:
-    records do not count the steps run, and an answer that stops early (a niah value, ~10
-    of RULER's 128 tokens) decodes far fewer."""
+def _sweep_minutes(recs: list[dict], batch: int = 8) -> tuple[float, bool]:
+    """What the sweeps behind `recs` cost, from the records' own clocks, and whether that is
+    exact: per batch (the record's `batches`, else `batch` a batch), each method's TTFT (its
+    own compression where the prefill was shared, plus that shared prefill once per group of
+    jobs that shared it), TPOT x the steps run (`steps_run`; records from before it count
+    max_new_tokens a batch, an upper bound: a niah answer stops after ~10 of RULER's 128
+    tokens), plus each record's compile time."""
     import math
 
-    total, shared = 0.0, {}
+    total, shared, exact = 0.0, {}, True
     for r in recs:
         n = r.get("batches") or math.ceil(r["samples"] / batch)
         own = r["ttft_own_s"] if r.get("prefill") == "shared" else r["ttft_s"]
-        total += n * (own + (r["max_new_tokens"] or 0) * (r["tpot_s"] or 0))
+        steps = r.get("steps_run")
+        exact &= steps is not None or not r["max_new_tokens"]
+        steps = n * (r["max_new_tokens"] or 0) if steps is None else steps
+        total += n * own + steps * (r["tpot_s"] or 0)
         total += r.get("compile_s") or 0
         if r.get("prefill") == "shared":
             # one group's jobs carry the same measured prefill time: it names the group
             prefill = r["ttft_s"] - r["ttft_own_s"]
             shared[r["task"], r["context_length"], n, round(prefill, 2)] = n * prefill
-    return (total + sum(shared.values())) / 60
+    return (total + sum(shared.values())) / 60, exact
+
+
+def _minutes_text(recs: list[dict]) -> str:
+    """`_sweep_minutes` as the pages say it."""
+    minutes, exact = _sweep_minutes(recs)
+    return f"{minutes:.0f} min" if exact else f"at most {minutes:.0f} min"
 
 
 def _base_files(ctx: int) -> str:
@@ -712,8 +721,8 @@ def _qwen_baseline_blocks(ctx: int) -> list[str]:
             f"(`--ruler-skip {skip}`: the calibration chose the task on samples 0-15), "
             f"plain prompts, {ctx} tokens, question-aware, "
             f"seed {recs[0]['seed']}; {report.model_line(recs)}. Full cache: {fmt(full)}. Records: `{rel}` "
-            f"(at most {_sweep_minutes(recs):.0f} min on 2 cores by their own clocks, each "
-            "decode counted at its max_new_tokens)"
+            f"({_minutes_text(recs)} on 2 cores by their own clocks; `at most`: decoding "
+            "counted at max_new_tokens, where records hold no step count)"
             + (f"; ObservedAttention's: `{papers.relative_to(ROOT)}`" if any(
                 r["method"] == "observed_attention" for r in recs) else "")
             + f"; the declared comparisons read the SnapKV family at kernel "

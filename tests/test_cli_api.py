@@ -113,6 +113,8 @@ def test_cli_run_writes_records(model_dir, tmp_path):
             assert key in r
         assert r["samples"] == 3 and len(r["details"]) == 3 and 0 <= r["accuracy"] <= 1
         assert r["batches"] == 2  # 3 samples at --batch-size 2: ttft_s is their batches' mean
+        # the decode steps of both batches (each its longest answer + 1): what tpot_s times
+        assert 2 <= r["steps_run"] <= 2 * r["max_new_tokens"]
         assert r["versions"]["jax"] == jax.__version__
         assert r["kv_fraction"] == pytest.approx(1.0)
         assert r["kv_fraction_end"] > 1.0  # the prompt's KV and the generated tokens'
@@ -515,7 +517,7 @@ def test_cli_max_new_tokens_zero_is_zero(model_dir, tmp_path, capsys):
             "2", "--details", "--output", str(out)]
     assert _main(capsys, *base, "--max-new-tokens", "0")[0] == 0
     rec = json.loads(out.read_text())["records"][0]
-    assert rec["max_new_tokens"] == 0 and rec["tpot_s"] is None
+    assert rec["max_new_tokens"] == 0 and rec["tpot_s"] is None and rec["steps_run"] == 0
     assert [d["prediction"] for d in rec["details"]] == ["", ""]
     assert _main(capsys, *base, "--overwrite")[0] == 0  # the task's default: it generates
     rec = json.loads(out.read_text())["records"][0]

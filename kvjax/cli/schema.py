@@ -72,6 +72,10 @@ class Record:
     job: dict  # the identity --resume matches on
     ruler_skip: int | None = None
     batches: int | None = None  # the batches the samples ran in (ttft_s, tpot_s: their mean)
+    # decode steps summed over the batches (each batch's: its longest answer + 1, at most
+    # max_new_tokens): tpot_s x steps_run / batches is the decoding's time a batch;
+    # None from batches measured before it was recorded
+    steps_run: int | None = None
     # the live KV after the last generated token, a share of kv_bytes_full (kv_fraction is
     # after the prefill); None without decoding or from batches measured before it existed
     kv_fraction_end: float | None = None
@@ -82,7 +86,8 @@ class Record:
     note: str | None = None
     details: list | None = None
 
-    _OPTIONAL = ("ruler_skip", "batches", "kv_fraction_end", "benchmark", "accuracy_by_dataset",
+    _OPTIONAL = ("ruler_skip", "batches", "steps_run", "kv_fraction_end", "benchmark",
+                 "accuracy_by_dataset",
                  "predictions", "note", "details")
 
     def as_json(self) -> dict[str, Any]:

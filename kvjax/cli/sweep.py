@@ -374,7 +374,7 @@ class _Result:
     def __init__(self, job: Job):
         self.job = job
         self.per_sample: list = [None] * len(job.data.samples)
-        self.ttft, self.own, self.tpot, self.kernels = [], [], [], []
+        self.ttft, self.own, self.tpot, self.kernels, self.steps = [], [], [], [], []
         self.live, self.alloc, self.full, self.live_end = [], [], [], []
         self.compile_s, self.extra_stats, self.used, self.dtype, self.mesh = 0.0, {}, {}, None, None
 
@@ -408,7 +408,8 @@ class _Result:
         return json.loads(json.dumps(dict(
             budget=budget, dtype=str(gen.cache.k.dtype), mesh=st["mesh"],
             compile_s=st["compile_s"], ttft=st["ttft_s"], own=st["ttft_own_s"],
-            tpot=st["tpot_s"], live=st["kv_bytes_live"] / n, alloc=st["kv_bytes_allocated"] / n,
+            tpot=st["tpot_s"], steps=st["steps_run"], live=st["kv_bytes_live"] / n,
+            alloc=st["kv_bytes_allocated"] / n,
             live_end=None if st.get("kv_bytes_live_end") is None
             else st["kv_bytes_live_end"] / n,
             full=st["kv_bytes_full"] / n, kernels=st["kernels"],
@@ -424,6 +425,7 @@ class _Result:
         self.ttft.append(piece["ttft"])
         self.own.append(piece["own"])
         self.tpot += [piece["tpot"]] if piece["tpot"] is not None else []
+        self.steps.append(piece.get("steps"))  # absent from older batches files
         self.live.append(piece["live"])
         self.live_end.append(piece.get("live_end"))  # absent from older batches files
         self.alloc.append(piece["alloc"])
@@ -471,6 +473,8 @@ class _Result:
             ttft_own_s=float(np.mean([o for o in self.own if o is not None]))
             if any(shared) else None,
             tpot_s=float(np.mean(self.tpot)) if self.tpot else None,
+            steps_run=int(sum(self.steps)) if self.steps and None not in self.steps
+            else None,
             compile_s=self.compile_s,
             method_stats=self._method_stats(args.details),
             kernels=merge_kernels(self.kernels),

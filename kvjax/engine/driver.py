@@ -29,8 +29,8 @@ from kvjax.pallas.dispatch import Kernels
 
 # keys of `Generation.stats` that the engine itself measures (the rest come from the method)
 ENGINE_STATS = ("kv_bytes_live", "kv_bytes_allocated", "kv_bytes_full", "kv_bytes_live_end",
-                "ttft_s", "ttft_own_s", "tpot_s", "compile_s", "prompt_tokens", "kernels",
-                "mesh")
+                "ttft_s", "ttft_own_s", "tpot_s", "steps_run", "compile_s", "prompt_tokens",
+                "kernels", "mesh")
 
 
 @dataclasses.dataclass
@@ -297,6 +297,7 @@ def run(
         "ttft_s": clock.ttft_s,
         "ttft_own_s": own_s if prefilled is not None else None,
         "tpot_s": clock.decode_s / steps_run if steps_run else None,
+        "steps_run": steps_run,  # the steps tpot_s is a mean over (the batch's longest)
         "compile_s": clock.compile_s,
         "prompt_tokens": prompt_tokens,
         "kernels": _kernels_used(clock.kernels),
