@@ -602,3 +602,25 @@ def test_keep_everything_equals_full_and_restrict_paths_agree(pair):
         "sliminfer_restrict", layers=LAYERS, keep=KEEP, block=BS, unit=UNIT, window=W),
         max_new_tokens=NEW, stop_ids=())
     assert host.tokens == eng.tokens
+
+
+def test_a_step_without_revived_rows_compiles_no_revival():
+    """`swap.revived_rows`: the revived rows first, padded with -1 to a bucket of `block`
+    * 2^k; none revived anywhere gives Rc = 0, and `revival` then returns None, so that
+    step's program has no revival cond or row scatters (same tokens: those did nothing)."""
+    from kvjax.methods.slim import swap
+
+    rev = np.zeros((2, 3, 8), bool)
+    idx = swap.revived_rows(rev, block=2)
+    assert idx.shape == (2, 3, 0)
+    state = {"xr": np.zeros((2, 3, 8, 4)), "ridx": idx, "players": np.array([1, 3]),
+             "rev": rev}
+    assert swap.revival(2, state, split=True) is None
+    rev[1, 2, [1, 4, 5]] = True  # three rows of one element: a bucket of 4 (2 * 2)
+    idx = swap.revived_rows(rev, block=2)
+    assert idx.shape == (2, 3, 4) and idx[1, 2].tolist() == [1, 4, 5, -1]
+    assert (idx[0] == -1).all() and (idx[1, :2] == -1).all()
+    state["ridx"] = idx
+    assert not bool(swap.revival(2, state, split=True).active)  # stage 0 (after layer 1): none
+    r = swap.revival(4, state, split=True)  # stage 1 (after layer 3): element 2's rows
+    assert bool(r.active) and r.slot[2].tolist() == [1, 4, 5, -1]

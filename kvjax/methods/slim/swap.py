@@ -87,6 +87,8 @@ def revival(layer, state, split: bool):
     (the next stage's aux cache holds that state)."""
     if "xr" not in state:  # the prefill's state (a context-only question chunk)
         return None
+    if state["ridx"].shape[-1] == 0:  # nothing revived this step: the step compiles without
+        return None  # revival (its cond and row scatters were most of a step's excess on CPU)
     players = state["players"]
     i = _stage(layer, players)
     P = state["rev"].shape[0]
@@ -115,12 +117,15 @@ def revived(layer, x_BRD, state):
 
 def revived_rows(rev_PBR: np.ndarray, block: int) -> np.ndarray:
     """[P, B, Rc] the indices of each stage's and element's revived rows, ascending, -1
-    after them; Rc the fewest of block * 2^k (at most R) that hold the most revived. The
-    engine computes revival for these rows alone: all R rows cost 9x a step without
-    revival on SmolLM2 at 1024 (a block or two is what a step usually revives). Each Rc
-    is its own compiled step, so it takes few values."""
+    after them; Rc the fewest of block * 2^k (at most R) that hold the most revived, 0 when
+    nothing is revived (most steps: that step has no revival at all). The engine computes
+    revival for these rows alone: all R rows cost 9x a step without revival on SmolLM2 at
+    1024 (a block or two is what a step usually revives). Each Rc is its own compiled
+    step, so it takes few values."""
     P, B, R = rev_PBR.shape
     most = int(rev_PBR.sum(-1).max()) if rev_PBR.size else 0
+    if most == 0:
+        return np.full((P, B, 0), -1, np.int32)
     rc = block
     while rc < min(most, R):
         rc *= 2
