@@ -17,18 +17,23 @@
 #     asl_dev 1 done (30 min); prefill 5 done (ASL group ~75 min, SlimInfer/LazyLLM ~55 min),
 #     SlimInfer/LazyLLM at 512 done 2026-11-29 (~30 min); d2o 12 done 2026-11-29 (RoCo/CaM added);
 #     d2o_ablation 3, critical_co 8 and asl_variants 3 done 2026-11-29;
-#   vt: baselines 2 of 7 batches (~2 h left); cwe: aggregation 14 done 2026-11-29;
-#   perplexity: Genesis 15 of 15 runs (complete 2026-11-29, ~8-18 min a run), essays 0 of 15.
-#   8192 (`CTX=8192 nice bash scripts/sweeps_qwen.sh baselines ruler/niah_multikey_2`; the
-#   full cache answers 8 of 8 in ruler_8192_n8.jsonl): the full prefill ~95-100 s a sample
-#   alone in batches of 4 (MODEL.md; BATCH=4 by default at 8192, as the calibration ran), so
-#   ~80 min of shared prefill and 16 cells of ~5-8 min: ~3-3.5 h; budgets 1/8 and 1/16 of
-#   8192 (1024, 512: every section's budgets are shares of $CTX). Kernel (decided
-#   2026-11-29, before the sweep ran): the SnapKV family at the kernel chosen on the 4096 dev
-#   samples (`--qwen-kernel`: 17), not 7: at 7 every one of them sat at 0-12% at 4096, so
-#   the 8192 comparisons would have read "uninformative"; at 1024 of 8192 PyramidKV's
-#   pyramid runs (its first budget above 20 windows), so PyramidKV vs SnapKV is measured. Batch 4 fits: each method's replay buffers compile to
-#   <= 0.3 GB of temporaries (XLA's memory_analysis, 2026-11-29).
+#   vt: baselines 3 of 7 batches (~25 min a batch beside another sweep, ~15 alone); cwe:
+#     aggregation 14 done 2026-11-29;
+#   perplexity: Genesis 15 of 15 runs (complete 2026-11-29, ~8-18 min a run), essays under
+#     way (`perplexity` resumes it after the finished Genesis);
+#   8192: baselines on niah_multikey_2 done 2026-11-29
+#     (`CTX=8192 BATCH=8 nice bash scripts/sweeps_qwen.sh baselines ruler/niah_multikey_2`;
+#     the full cache answers 8 of 8 in ruler_8192_n8.jsonl): at BATCH=8 the run held 14.1 GB
+#     RSS and took 93 min alone (474 s of shared prefill a batch of 8, ~59 s a sample; 7
+#     batches of ~10-13 min), against ~3-3.5 h planned at the default BATCH=4 (the
+#     calibration's batch, ~95-100 s a sample); budgets 1/8 and 1/16 of 8192 (1024, 512:
+#     every section's budgets are shares of $CTX). Kernel (decided 2026-11-29, before the
+#     sweep ran): the SnapKV family at the kernel chosen on the 4096 dev samples
+#     (`--qwen-kernel`: 17), not 7: at 7 every one of them sat at 0-12% at 4096, so the 8192
+#     comparisons would have read "uninformative"; at 1024 of 8192 PyramidKV's pyramid runs
+#     (its first budget above 20 windows), so PyramidKV vs SnapKV is measured (its
+#     predictions differed from SnapKV's on 10 of 50). Each method's replay buffers compile
+#     to <= 0.3 GB of temporaries at batch 4 (XLA's memory_analysis, 2026-11-29).
 #
 # Qwen2.5-Coder-1.5B (MODEL=qwen2.5-coder-1.5b; records in docs/results/qwen2.5-coder-1.5b/):
 #   a 2048-token sample costs ~73 s of prefill here (MODEL.md), so ~150-200 s at 4096 and a
