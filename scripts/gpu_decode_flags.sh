@@ -8,7 +8,7 @@
 # `kvjax.bench.decode_layout` (~1 minute): per-layer buffers against static slices of the
 # stacked arrays. One process per flag set (a flag this XLA does not know stops that
 # process only); each appends its run to $OUT/gpu.md.
-# Usage on the device: KVJAX_COMMIT=<hash> bash scripts/gpu_decode_flags.sh   (~7 minutes)
+# Usage on the device: KVJAX_COMMIT=<hash> bash scripts/gpu_decode_flags.sh   (~8 minutes)
 # On CPU, a try-out: SMALL=1 OUT=/tmp/out bash scripts/gpu_decode_flags.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=.
 CASES=8192x8:per_layer,8192x8:scan; N=8192; S=""; L=16

@@ -455,8 +455,8 @@ def intro(ctx: int, recs: list[dict], files: str, extra: str = "", task: str = T
             "them within one records file, not across files. Rendered by `python "
             f"scripts/smollm2_results.py` from docs/results/smollm2/{files}; the sweeps: "
             f"`scripts/sweeps_smollm2.sh` (these records: {_minutes_text(recs)} on 2 cores, "
-            "summed from their own TTFT, TPOT x steps and compile times; `at most`: decoding "
-            "counted at max_new_tokens, where records hold no step count). The claims are "
+            f"summed from their own TTFT, TPOT x steps and compile times; {AT_MOST}). The "
+            "claims are "
             "judged paired on the same prompts (`a wins : b wins`: the samples only one of "
             "the two answers; exact McNemar, Holm over the paper's comparisons on this "
             "model; the rules and the verdicts' meaning: docs/results/README.md; each row "
@@ -486,6 +486,9 @@ def _sweep_minutes(recs: list[dict], batch: int = 8) -> tuple[float, bool]:
             prefill = r["ttft_s"] - r["ttft_own_s"]
             shared[r["task"], r["context_length"], n, round(prefill, 2)] = n * prefill
     return (total + sum(shared.values())) / 60, exact
+
+
+AT_MOST = "`at most`: decoding counted at max_new_tokens, where records hold no step count"
 
 
 def _minutes_text(recs: list[dict]) -> str:
@@ -721,8 +724,7 @@ def _qwen_baseline_blocks(ctx: int) -> list[str]:
             f"(`--ruler-skip {skip}`: the calibration chose the task on samples 0-15), "
             f"plain prompts, {ctx} tokens, question-aware, "
             f"seed {recs[0]['seed']}; {report.model_line(recs)}. Full cache: {fmt(full)}. Records: `{rel}` "
-            f"({_minutes_text(recs)} on 2 cores by their own clocks; `at most`: decoding "
-            "counted at max_new_tokens, where records hold no step count)"
+            f"({_minutes_text(recs)} on 2 cores by their own clocks; {AT_MOST})"
             + (f"; ObservedAttention's: `{papers.relative_to(ROOT)}`" if any(
                 r["method"] == "observed_attention" for r in recs) else "")
             + f"; the declared comparisons read the SnapKV family at kernel "

@@ -87,8 +87,7 @@ class Record:
     details: list | None = None
 
     _OPTIONAL = ("ruler_skip", "batches", "steps_run", "kv_fraction_end", "benchmark",
-                 "accuracy_by_dataset",
-                 "predictions", "note", "details")
+                 "accuracy_by_dataset", "predictions", "note", "details")
 
     def as_json(self) -> dict[str, Any]:
         """The record as written: `ruler_skip` after `seed`, as earlier records hold it."""
