@@ -13,7 +13,7 @@ import numpy as np
 from kvjax import distributed, engine
 from kvjax.compression.method import Method
 from kvjax.config import ModelConfig
-from kvjax.models import packaged
+from kvjax.models import packaged, transformer
 from kvjax.models.checkpoint import load_hf
 from kvjax.pallas.dispatch import Kernels
 
@@ -42,6 +42,17 @@ class Model:
                 f"{c.hidden_size}, {c.num_heads} heads / {c.num_kv_heads} KV heads of "
                 f"{c.head_dim}, vocab {c.vocab_size}, {self.params['embed'].dtype}, "
                 f"path={str(self.path) if self.path else None!r})")
+
+    def with_layers(self, storage: str) -> "Model":
+        """This model with its layers' weights stored as `storage`: "stacked" ([L, ...]
+        arrays, as loaded) or "per_layer" (each layer's own buffers: decode's per-layer
+        loop then reads them without a copy; a prefill stacks them inside its program).
+        One conversion here; drop the old Model to free its buffers. Per-layer storage is
+        for one device (the mesh shardings are of the stacked arrays)."""
+        if storage == "per_layer" and self.mesh is not None:
+            raise ValueError("layer storage 'per_layer' is for a model on one device; this "
+                             "one is on a mesh: allowed there: 'stacked'")
+        return dataclasses.replace(self, params=transformer.store_layers(self.params, storage))
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         """Token ids of `text`. `bos`: add the special tokens of a prompt's start -- an HF

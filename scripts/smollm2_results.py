@@ -455,7 +455,7 @@ def intro(ctx: int, recs: list[dict], files: str, extra: str = "", task: str = T
             "them within one records file, not across files. Rendered by `python "
             f"scripts/smollm2_results.py` from docs/results/smollm2/{files}; the sweeps: "
             f"`scripts/sweeps_smollm2.sh` (these records: {_minutes_text(recs)} on 2 cores, "
-            f"summed from their own TTFT, TPOT x steps and compile times; {AT_MOST}). The "
+            f"summed from their own TTFT, TPOT x steps and compile times). The "
             "claims are "
             "judged paired on the same prompts (`a wins : b wins`: the samples only one of "
             "the two answers; exact McNemar, Holm over the paper's comparisons on this "
@@ -488,13 +488,12 @@ def _sweep_minutes(recs: list[dict], batch: int = 8) -> tuple[float, bool]:
     return (total + sum(shared.values())) / 60, exact
 
 
-AT_MOST = "`at most`: decoding counted at max_new_tokens, where records hold no step count"
-
-
 def _minutes_text(recs: list[dict]) -> str:
-    """`_sweep_minutes` as the pages say it."""
+    """`_sweep_minutes` as the pages say it: `at most`, with why, only where a record holds
+    no step count."""
     minutes, exact = _sweep_minutes(recs)
-    return f"{minutes:.0f} min" if exact else f"at most {minutes:.0f} min"
+    return (f"{minutes:.0f} min" if exact else f"at most {minutes:.0f} min: decoding "
+            "counted at max_new_tokens, where records hold no step count")
 
 
 def _base_files(ctx: int) -> str:
@@ -506,6 +505,14 @@ PYRAMID = (" PyramidKV at its default beta 20 falls back to SnapKV whenever the 
            "budgets it keeps SnapKV's entries, and its rows equal SnapKV's.")
 
 
+BASELINES = {"snapkv", "ada_snapkv", "pyramidkv", "ada_pyramidkv", "observed_attention", "headkv"}
+
+
+def _arm(r: dict) -> tuple:
+    """What makes a record one arm of a page: method, scenario, budget, kernel."""
+    return r["method"], r["scenario"], r["budget"], params(r).get("kernel")
+
+
 def baselines(ctx: int, task: str = TASK) -> str | None:
     if task == TASK:
         recs = records_at(ctx, *BASE[ctx])
@@ -515,12 +522,14 @@ def baselines(ctx: int, task: str = TASK) -> str | None:
         files = f"{task}_{ctx}.jsonl and {task}_k17_{ctx}.jsonl"
     if not {"snapkv", "full"} <= {r["method"] for r in recs}:  # a sweep still under way
         return None
-    if task == TASK:  # the two baselines first measured in the gaps sweep
-        for name, ms in (("gaps_k17", ("ada_pyramidkv", "observed_attention")),
-                         ("headkv_k17", ("headkv",))):
-            more = [r for r in records_at(ctx, name) if r["method"] in ms]
-            if more:
-                recs, files = recs + more, f"{files} and {name}_{ctx}.jsonl"
+    # the baselines first measured in the gaps sweeps (and PyramidKV at 17 beside LAVa)
+    pre = "" if task == TASK else f"{task}_"
+    for name in (f"{pre}gaps", f"{pre}gaps_k17", "headkv_k17", "lava_k17"):
+        have = {_arm(r) for r in recs}
+        more = [r for r in records_at(ctx, name, task=task)
+                if r["method"] in BASELINES and _arm(r) not in have]
+        if more:
+            recs, files = recs + more, f"{files} and {name}_{ctx}.jsonl"
     pairs = [("snapkv", o, k, {}) for k in ({"kernel": 7}, K17)
              for o in ("h2o", "tova", "streaming_llm")]
     pairs += [(o, "snapkv", k, k) for k in ({"kernel": 7}, K17)
@@ -724,7 +733,7 @@ def _qwen_baseline_blocks(ctx: int) -> list[str]:
             f"(`--ruler-skip {skip}`: the calibration chose the task on samples 0-15), "
             f"plain prompts, {ctx} tokens, question-aware, "
             f"seed {recs[0]['seed']}; {report.model_line(recs)}. Full cache: {fmt(full)}. Records: `{rel}` "
-            f"({_minutes_text(recs)} on 2 cores by their own clocks; {AT_MOST})"
+            f"({_minutes_text(recs)} on 2 cores by their own clocks)"
             + (f"; ObservedAttention's: `{papers.relative_to(ROOT)}`" if any(
                 r["method"] == "observed_attention" for r in recs) else "")
             + f"; the declared comparisons read the SnapKV family at kernel "
@@ -1102,9 +1111,11 @@ def _asl_reading(r: dict) -> str:
 # LAVa's tasks at each context (the paper's claim is an average over tasks): each task's
 # records files; the first is the pages' niah_single
 LAVA_TASKS = {2048: ((TASK, (*BASE[2048], "lava_k17", "gaps_k17")),
-                     ("niah_single_ruler", ("lava_ruler_full", "lava_ruler_k17"))),
-              1024: ((TASK, (*BASE[1024], "lava_k17")),
-                     ("passkey", ("passkey", "passkey_k17", "lava_passkey_k17"))),
+                     ("niah_single_ruler", ("lava_ruler_full", "lava_ruler_k17",
+                                            "lava_ruler_ablation_k17"))),
+              1024: ((TASK, (*BASE[1024], "lava_k17", "gaps_k17")),
+                     ("passkey", ("passkey", "passkey_k17", "lava_passkey_k17",
+                                  "passkey_gaps_k17"))),
               4096: ((TASK, (*BASE[4096], "lava_k17")),)}
 LAVA_PAIRS = [("lava", "ada_snapkv", K17, K17), ("ada_snapkv", "snapkv", K17, K17),
               ("lava", "snapkv", K17, K17), ("lava", "cake", K17, K17),
@@ -1200,7 +1211,7 @@ def _layer_plot(ctx: int, recs: list[dict], task: str = TASK, key: str = "layer_
 
 def criticalkv(ctx: int) -> str | None:
     recs = records_at(ctx, *BASE[ctx], "critical_k17", "critical_co_k17", "critical_co_half_k17",
-                      "headkv_k17")
+                      "headkv_k17", "critical_co_headkv_k17")
     if not any(r["method"].startswith("critical_") for r in recs):
         return None
     recs = [r for r in recs if r["method"] == "full" or
@@ -1211,7 +1222,9 @@ def criticalkv(ctx: int) -> str | None:
              "critical_headkv"}
     co = [r for r in recs if r["scenario"] == "context_only"]
     (b8, n8), _ = budgets(ctx)
-    head = (f", headkv_k17_{ctx}.jsonl" if any(r["method"] == "headkv" for r in recs) else "")
+    head = "".join(f", {n}_{ctx}.jsonl" for n, scenario in (
+        ("headkv_k17", "question_aware"), ("critical_co_headkv_k17", "context_only"))
+        if any(r["method"] == "headkv" and r["scenario"] == scenario for r in recs))
     half = (f", critical_co_half_k17_{ctx}.jsonl"
             if any(r["budget"] == ctx // 2 and r["scenario"] == "context_only" for r in recs)
             else "")
@@ -1304,7 +1317,7 @@ def perturbation(folder=RECORDS) -> str | None:
 
 
 def d2o(ctx: int) -> str | None:
-    recs = records_at(ctx, *BASE[ctx], "d2o", "gaps_k17")
+    recs = records_at(ctx, *BASE[ctx], "d2o", "gaps", "gaps_k17")
     if not any(r["method"] == "d2o" for r in recs):
         return None
     # D2O's tables compare it with H2O, StreamingLLM, RoCo and CaM; d2o_code is D2O as
@@ -1312,7 +1325,8 @@ def d2o(ctx: int) -> str | None:
     pairs = [("d2o", "h2o", {}, {}), ("d2o", "streaming_llm", {}, {}),
              ("h2o", "streaming_llm", {}, {}), ("d2o", "roco", {}, {}), ("d2o", "cam", {}, {}),
              ("d2o_code", "h2o", {}, {}), ("d2o_code", "streaming_llm", {}, {})]
-    gaps = f" and gaps_k17_{ctx}.jsonl" if any(r["method"] == "roco" for r in recs) else ""
+    gaps = "".join(f" and {f}" for f in sorted({Path(f).name for r in recs if r["method"] == "roco"
+                                                 for f in r["_files"]}))
     kv_note = ""
     for r in recs:  # measured before records carried the KV after decoding
         if r["method"] == "d2o_code" and r.get("kv_fraction_end") is None:

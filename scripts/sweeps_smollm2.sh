@@ -127,3 +127,22 @@ R="$R --seed 1" sweep dev_s1_full_1024.jsonl --method full
 for k in 5 7 11 17 21; do
   R="$R --seed 1" sweep dev_s1_pool_max_k${k}_1024.jsonl --method snapkv,ada_snapkv --budget 128,64 --set kernel=$k
 done
+# The declared comparisons the pages said had no records (2026-11-29): LAVa's ablations on
+# every task of its average (niah_single_ruler 2048; niah_single and passkey 1024); the
+# baselines never run at 1024 and 4096 (PyramidKV at kernels 7 and 17, Ada-PyramidKV,
+# HeadKV, ObservedAttention; PyramidKV at 17 at 1024 is lava_k17's); at these budgets
+# PyramidKV falls back to SnapKV's schedule (below 20 windows of 32), so its rows measure
+# that fallback; D2O's code reading, RoCo and CaM at 1024; CriticalKV over HeadKV
+# context-only at 2048
+TASK=niah_single_ruler sweep2 lava_ruler_ablation_k17_2048.jsonl --method lava_heads_only,lava_layers_only \
+  --budget 256,128 --set kernel=17
+sweep1 gaps_1024.jsonl --method d2o_code,roco,cam,observed_attention,pyramidkv --budget 128,64
+sweep1 gaps_k17_1024.jsonl --method ada_pyramidkv,lava_heads_only,lava_layers_only,headkv \
+  --budget 128,64 --set kernel=17
+TASK=passkey sweep1 passkey_gaps_1024.jsonl --method observed_attention,pyramidkv --budget 128,64
+TASK=passkey sweep1 passkey_gaps_k17_1024.jsonl --method ada_pyramidkv,pyramidkv,lava_heads_only,lava_layers_only,headkv \
+  --budget 128,64 --set kernel=17
+sweep2 critical_co_headkv_k17_2048.jsonl --method headkv,critical_headkv --budget 512,256 \
+  --set kernel=17 --scenario context_only
+sweep4 gaps_4096.jsonl --method snapkv,ada_snapkv,pyramidkv,observed_attention --budget 512,256
+sweep4 gaps_k17_4096.jsonl --method ada_pyramidkv,pyramidkv,headkv --budget 512,256 --set kernel=17

@@ -4,6 +4,7 @@ an append is one in-place `dynamic_update_slice` equal to the scatter it replace
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -59,6 +60,44 @@ def test_per_layer_decode_equals_the_scan(setup, name, context_only):
     for f in ("k", "v", "pos", "valid", "end", "next_pos"):
         np.testing.assert_array_equal(np.asarray(getattr(per.cache, f)),
                                       np.asarray(getattr(scan.cache, f)), err_msg=f)
+
+
+# per-layer storage: the plain step and one method of each other prefill kind (a decode
+# hook, token selection, block pruning, a replay after the prefill) in the fast suite
+FAST_STORED = {"full", "snapkv", "h2o", "asl", "sliminfer", "critical_snapkv"}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=() if n in FAST_STORED else pytest.mark.slow)
+    for n in methods.names()])
+def test_weights_stored_per_layer_give_the_stacked_models_tokens(setup, name):
+    """A model whose layers are stored per layer (`Model.with_layers`) runs every method:
+    its decode loops over the stored buffers (`auto`, plain step) and every program that
+    scans the layers stacks them; tokens and cache equal the stacked model's bit for bit
+    (the same math on the same values; measured equal, so no tolerance)."""
+    model, prompts, questions = setup
+    per = model.with_layers("per_layer")
+    assert isinstance(per.params["layers"], tuple) and len(per.params["layers"]) == \
+        model.cfg.num_layers
+    m = _method(name)
+    want = engine.run(model.params, model.cfg, prompts, m, max_new_tokens=6,
+                      kernels=Kernels(decode_layers="scan"))
+    got = engine.run(per.params, per.cfg, prompts, m, max_new_tokens=6)
+    assert got.stats["kernels"]["decode_layers"] == ("per_layer" if m.plain_decode()
+                                                     else "scan")
+    assert got.tokens == want.tokens
+    for f in ("k", "v", "pos", "valid", "end", "next_pos"):
+        np.testing.assert_array_equal(np.asarray(getattr(got.cache, f)),
+                                      np.asarray(getattr(want.cache, f)), err_msg=f)
+    back = per.with_layers("stacked").params["layers"]
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(model.params["layers"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_bad_layer_storage_is_refused():
+    model = kvjax.load("tiny-retrieval")
+    with pytest.raises(ValueError, match=r"layer storage 'rows'; allowed: \('stacked'"):
+        model.with_layers("rows")
 
 
 def test_an_append_writes_what_the_scatter_writes():

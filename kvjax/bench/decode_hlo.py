@@ -28,9 +28,11 @@ from kvjax.bench.gpu import shape_8b
 _DTYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
 
 
-def decode_program(cfg, batch: int, capacity: int, layout: str, dtype=jnp.bfloat16):
+def decode_program(cfg, batch: int, capacity: int, layout: str, dtype=jnp.bfloat16,
+                   storage: str = "stacked"):
     """`steps.decode` compiled for abstract shapes: the full cache's plain decode step
-    (`Method()`), 16 new tokens."""
+    (`Method()`), 16 new tokens, the layers' weights stored as `storage`
+    (`transformer.store_layers`)."""
     from kvjax.compression.cache import KVCache
     from kvjax.compression.method import Method
     from kvjax.engine import steps
@@ -38,8 +40,10 @@ def decode_program(cfg, batch: int, capacity: int, layout: str, dtype=jnp.bfloat
     from kvjax.pallas.dispatch import Kernels
     from kvjax.train import init_params
 
-    params = jax.eval_shape(lambda: jax.tree.map(
-        lambda w: w.astype(dtype), init_params(cfg, jax.random.PRNGKey(0))))
+    from kvjax.models import transformer
+
+    params = jax.eval_shape(lambda: transformer.store_layers(jax.tree.map(
+        lambda w: w.astype(dtype), init_params(cfg, jax.random.PRNGKey(0))), storage))
     L, B, K, C, D = cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim
     sds = jax.ShapeDtypeStruct
     cache = KVCache(sds((L, B, K, C, D), dtype), sds((L, B, K, C, D), dtype),
@@ -70,6 +74,11 @@ def temp_gib(compiled) -> float | None:
     return None if m is None else m.temp_size_in_bytes / 2**30
 
 
+# (decode layer loop, layer storage): the scan, the per-layer loop over a stacked model
+# (splits its weights once a call), and over a model stored per layer (`Model.with_layers`)
+LAYOUTS = (("scan", "stacked"), ("per_layer", "stacked"), ("per_layer", "per_layer"))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvjax.bench.decode_hlo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,17 +105,18 @@ def main(argv=None) -> int:
     layers = sum(x.size for x in jax.tree.leaves(shapes["layers"])) * size
     print(f"weights {weights:.3f} GiB, of which the stacked layers' {layers:.3f} (what a "
           "per-layer loop splits)")
-    print("| capacity | batch | decode layers | K/V-sized copies in the decode program | "
-          "K and V GiB | temporaries GiB |")
-    print("|---|---|---|---|---|---|")
+    print("| capacity | batch | decode layers | layers stored | K/V-sized copies in the "
+          "decode program | K and V GiB | temporaries GiB |")
+    print("|---|---|---|---|---|---|---|")
     for c in cases.split(","):
         n, b = (int(v) for v in c.split("x"))
         kv = 2 * cfg.num_layers * b * cfg.num_kv_heads * n * cfg.head_dim * size
-        for layout in ("scan", "per_layer"):
-            prog = decode_program(cfg, b, n, layout, dtype)
+        for layout, storage in LAYOUTS:
+            prog = decode_program(cfg, b, n, layout, dtype, storage)
             t = temp_gib(prog)
-            print(f"| {n} | {b} | {layout} | {cache_copies(prog, cfg, b, n, dtype)} | "
-                  f"{kv:.3f} | {'-' if t is None else f'{t:.3f}'} |", flush=True)
+            print(f"| {n} | {b} | {layout} | {storage} | "
+                  f"{cache_copies(prog, cfg, b, n, dtype)} | {kv:.3f} | "
+                  f"{'-' if t is None else f'{t:.3f}'} |", flush=True)
     return 0
 
 

@@ -159,8 +159,16 @@ def run_methods(model, names, contexts, kernels_choices, deadline, new_tokens, b
 
 
 # (method, decode layer loop) of each roofline case: the per-layer loop against the scan it
-# replaces (full cache), and SnapKV at 1/8 of the context (`Kernels.decode_layers`)
+# replaces (full cache), and SnapKV at 1/8 of the context (`Kernels.decode_layers`); the
+# per-layer loop runs on the model with its weights stored per layer (`Model.with_layers`:
+# no per-generation copy of the weights), the scan on the stacked model
 ROOFLINE_VARIANTS = (("full", "per_layer"), ("full", "scan"), ("snapkv", "per_layer"))
+
+
+def _stored_for(model, layout: str):
+    """The model as `layout` reads it without copying weights: per-layer buffers for the
+    per-layer loop, the stacked arrays for the scan."""
+    return model.with_layers("per_layer" if layout == "per_layer" else "stacked")
 
 
 def roofline(model, cases, deadline, rates, variants=ROOFLINE_VARIANTS):
@@ -172,11 +180,15 @@ def roofline(model, cases, deadline, rates, variants=ROOFLINE_VARIANTS):
 
     cfg, (flops_s, bytes_s) = model.cfg, rates
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    from kvjax.models.transformer import layer_storage
+
+    stored = {lay: _stored_for(model, lay) for _, lay in variants}  # one copy per storage
     rows, rng = [], np.random.default_rng(1)
     for n, batch in cases:
         ids = [[int(x) for x in rng.integers(3, cfg.vocab_size - 1, n)] for _ in range(batch)]
         for name, layout in variants:
-            row = dict(context=n, batch=batch, method=name, layout=layout)
+            row = dict(context=n, batch=batch, method=name, layout=layout,
+                       stored=layer_storage(stored[layout].params))
             if time.perf_counter() > deadline:
                 rows.append(dict(row, status="not run (time budget)"))
                 continue
@@ -185,7 +197,7 @@ def roofline(model, cases, deadline, rates, variants=ROOFLINE_VARIANTS):
                 # 1/8 of the context (at least 64: the --small contexts are below SnapKV's
                 # window of 32 x 8)
                 m = m.with_budget(max(n // 8, 64)) if m.takes_budget() else m
-                r = kvjax.generate(model, ids if batch > 1 else ids[0], method=m,
+                r = kvjax.generate(stored[layout], ids if batch > 1 else ids[0], method=m,
                                    max_new_tokens=16, kernels=Kernels(decode_layers=layout))
                 flops = batch * cfg.num_layers * layer_flops(cfg, n, (n + 1) / 2)
                 bound = (weight_bytes + r.stats["kv_bytes_live"]) / bytes_s
@@ -216,8 +228,8 @@ def profile(model, n: int, out_dir: Path, batch: int = 1, layout: str = "auto",
 
     rng = np.random.default_rng(3)
     ids = [[int(x) for x in rng.integers(3, model.cfg.vocab_size - 1, n)] for _ in range(batch)]
-    gen = partial(kvjax.generate, model, ids if batch > 1 else ids[0], method,
-                  kernels=Kernels(decode_layers=layout))
+    gen = partial(kvjax.generate, _stored_for(model, layout), ids if batch > 1 else ids[0],
+                  method, kernels=Kernels(decode_layers=layout))
     gen(max_new_tokens=32)  # compiles outside the traces
     totals, tag = {}, f"{n}x{batch}_{layout}" + (f"_{method}" if method != "full" else "")
     for label, new in (("prefill", 1), ("gen32", 32)):
@@ -335,7 +347,10 @@ def report(runs, rows, roof) -> str:
     for r in roof:
         # rows of runs before the per-layer loop existed: the full cache over the scan
         lines.append(f"| {r['run']} | {r['context']} | {r.get('batch', 1)} | "
-                     f"{r.get('method', 'full')} | {r.get('layout', 'scan')} | {r['status']} | "
+                     f"{r.get('method', 'full')} | {r.get('layout', 'scan')}"
+                     # rows before 2026-11-29: the per-layer loop split a stacked model
+                     f"{' (stored per layer)' if r.get('stored') == 'per_layer' else ''} | "
+                     f"{r['status']} | "
                      f"{fmt(r.get('ttft_s'))} | {fmt(r.get('mfu'), '{:.1%}')} | "
                      f"{fmt(r.get('tpot_s') and r['tpot_s'] * 1e3, '{:.2f}')} | "
                      f"{fmt(r.get('bound_s') and r['bound_s'] * 1e3, '{:.2f}')} | "

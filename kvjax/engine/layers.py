@@ -66,7 +66,8 @@ def prefill_layers(
         return (x, st), out
 
     layers = jnp.arange(cfg.num_layers)
-    (x, state), outs = jax.lax.scan(body, (x, state), (params["layers"], layers))
+    (x, state), outs = jax.lax.scan(body, (x, state),
+                                    (transformer.stacked_layers(params), layers))
     return x, outs, state
 
 

@@ -125,7 +125,7 @@ def replay_extent(params, q_LBTHD, k_LBKTD, v_LBKTD, valid_BT, lse_LBKGT=None, *
 
     state = method.init_state(cfg, B, T)
     state, (kv, aux) = jax.lax.scan(body, state, (q_LBTHD, k_LBKTD, v_LBKTD,
-                                                  params["layers"]["o"],
+                                                  transformer.stacked_layers(params)["o"],
                                                   jnp.arange(cfg.num_layers), lse_LBKGT))
     kv, state, stats = method.finalize(kv, aux, state)
     cache, state, stats = _as_cache(method, kv, state, stats, pos_BT, valid_BT, capacity)
@@ -190,10 +190,11 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
     """
     B = logits_BV.shape[0]
     stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
-    layered = _decode_layout(method, first, kernels) == "per_layer"
+    layered = _decode_layout(method, first, kernels, params) == "per_layer"
     if layered:
-        # split once for the whole generation (one copy of the weights and the cache);
-        # the loop then carries per-layer buffers and never slices a stacked array
+        # the cache split once for the whole generation (a copy), and the weights too
+        # unless stored per layer (`transformer.store_layers`); the loop then carries
+        # per-layer buffers and never slices a stacked array
         layers = transformer.per_layer(params)
         cache = (kvcache.split_layers(cache.kv), cache.end, cache.next_pos)
 
@@ -226,10 +227,15 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
     return out, n, cache, state
 
 
-def _decode_layout(method: Method, first: Method | None, kernels: Kernels) -> str:
+def _decode_layout(method: Method, first: Method | None, kernels: Kernels, params) -> str:
     """The decode loop's layout (`Kernels.decode_layers`): per-layer buffers only for a
-    plain decode step (no hook could reach a stacked cache), recorded as used."""
+    plain decode step (no hook could reach a stacked cache), recorded as used. `auto`
+    loops over layers where the weights are stored per layer (the scan would stack them:
+    a copy a generation), else as `Kernels.decode_layout` says."""
     if first is None and method.plain_decode():
+        if kernels.decode_layers == "auto" and transformer.layer_storage(params) == "per_layer":
+            note("decode_layers", "per_layer")
+            return "per_layer"
         return kernels.decode_layout()
     note("decode_layers", "scan")
     return "scan"

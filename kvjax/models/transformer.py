@@ -88,14 +88,50 @@ def layer_window(cfg: ModelConfig, layer) -> int | Int[Array, ""] | None:
     return table[layer]
 
 
+# How the layers' weights are stored: "stacked" = params["layers"] is one dict of [L, ...]
+# arrays (what a `lax.scan` over layers takes, and what the loaders read); "per_layer" =
+# a tuple of L dicts, each layer's own buffers (`store_layers`), what decode's per-layer loop
+# reads without a copy (`Kernels.decode_layers`; the split of a stacked model otherwise holds
+# a second copy of every layer's weights for a whole generation: docs/results/speed.md).
+LAYER_STORAGE = ("stacked", "per_layer")
+
+
+def layer_storage(params: Params) -> str:
+    return "per_layer" if isinstance(params["layers"], (tuple, list)) else "stacked"
+
+
+def stacked_layers(params: Params) -> Params:
+    """The layers' weights as [L, ...] arrays: as stored, or stacked from per-layer buffers
+    (a copy inside the program that asks: a prefill's scan over a per-layer model)."""
+    layers = params["layers"]
+    if layer_storage(params) == "stacked":
+        return layers
+    return jax.tree.map(lambda *w: jnp.stack(w), *layers)
+
+
 def per_layer(params: Params) -> tuple[Params, ...]:
-    """Each layer's parameters as its own buffers (a copy of the stacked [L, ...] weights):
-    what a loop over layers reads without slicing the stacked arrays at every step."""
-    return tuple(jax.tree.map(lambda w: w[i], params["layers"])
-                 for i in range(jax.tree.leaves(params["layers"])[0].shape[0]))
+    """Each layer's parameters as its own buffers: as stored, or split from the stacked
+    [L, ...] weights (a copy) -- what a loop over layers reads without slicing the stacked
+    arrays at every step."""
+    layers = params["layers"]
+    if layer_storage(params) == "per_layer":
+        return tuple(layers)
+    return tuple(jax.tree.map(lambda w: w[i], layers)
+                 for i in range(jax.tree.leaves(layers)[0].shape[0]))
+
+
+def store_layers(params: Params, storage: str) -> Params:
+    """`params` with its layers stored as `storage` (one of LAYER_STORAGE), converted once
+    here (the old buffers are freed when the caller drops `params`)."""
+    if storage not in LAYER_STORAGE:
+        raise ValueError(f"layer storage {storage!r}; allowed: {LAYER_STORAGE}")
+    if storage == layer_storage(params):
+        return params
+    layers = per_layer(params) if storage == "per_layer" else stacked_layers(params)
+    return {**params, "layers": layers}
 
 
 def layer_slice(params: Params, layer: Int[Array, ""]) -> Params:
     """The parameters of one layer, by a (possibly traced) index."""
     return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False),
-                        params["layers"])
+                        stacked_layers(params))

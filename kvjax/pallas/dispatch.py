@@ -40,7 +40,10 @@ PREFILL_ATTENTION = ("auto", "xla", "blocked", "cudnn", "fused_xla")
 # 11% at 8k batch 8 (scan 40%); on an H100 (runs 5-7) the 32-layer loop ran out of memory
 # at 8k x 4 and x 8: the per-generation split holds a second copy of the layer weights and
 # of the cache (21 GiB at 8k x 8). On 16 layers it took 0.47 of the scan's device time a
-# token (speed.md, "Why the loop lost").
+# token (speed.md, "Why the loop lost"). A model stored per layer (`Model.with_layers`)
+# holds no copy of the weights: `auto` takes the loop for it (the decode program's
+# temporaries on the 8B shape at 8k x 8: the cache's split, 16.1 GiB in float32, against
+# 42.1 for a stacked model; `python -m kvjax.bench.decode_hlo`).
 DECODE_LAYERS = ("auto", "scan", "per_layer")
 CUDNN_DTYPES = ("bfloat16", "float16")  # what cuDNN's flash attention takes (and fp8)
 # (backend, op) pairs whose Pallas kernel was measured faster than the xla reference on that
@@ -105,8 +108,9 @@ class Kernels:
         return impl
 
     def decode_layout(self) -> str:
-        """Decode's layer loop: `auto` is "scan" (see DECODE_LAYERS: the per-layer loop is
-        faster at batch 1 on a GPU, 3.6x slower at batch 8, and compiles 3-4x slower on
+        """Decode's layer loop for a stacked model (under `auto` the engine loops over a
+        model stored per layer): `auto` is "scan" (see DECODE_LAYERS: the per-layer loop
+        is faster at batch 1 on a GPU, 3.6x slower at batch 8, and compiles 3-4x slower on
         CPU). Recorded as used when asked (callers ask while tracing the decode loop)."""
         impl = self.decode_layers if self.decode_layers != "auto" else _auto_decode_layers()
         note("decode_layers", impl)
