@@ -50,8 +50,7 @@ class Model:
         One conversion here; drop the old Model to free its buffers. Per-layer storage is
         for one device (the mesh shardings are of the stacked arrays)."""
         if storage == "per_layer" and self.mesh is not None:
-            raise ValueError("layer storage 'per_layer' is for a model on one device; this "
-                             "one is on a mesh: allowed there: 'stacked'")
+            raise ValueError(distributed.PER_LAYER_ON_MESH)
         return dataclasses.replace(self, params=transformer.store_layers(self.params, storage))
 
     def encode(self, text: str, bos: bool = True) -> list[int]:

@@ -140,10 +140,17 @@ def _spec(name: str, ndim: int, m: int) -> P:
     return P(*[("model" if i == axis else None) for i in range(ndim)])
 
 
+PER_LAYER_ON_MESH = ("layer storage 'per_layer' is for a model on one device (the shardings "
+                     "are of the stacked [L, ...] weights); allowed on a mesh: 'stacked' "
+                     "(Model.with_layers('stacked'))")
+
+
 def param_specs(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     """PartitionSpecs: head-carrying weights split over `model` (which must divide the KV
     heads and the MLP width), the rest replicated. `params`: arrays or their shapes."""
     check_mesh(mesh, cfg)
+    if isinstance(params["layers"], (tuple, list)):
+        raise ValueError(PER_LAYER_ON_MESH)
     m = mesh.shape["model"]
     out = {k: P() for k in params if k != "layers"}
     ndim = lambda v: len(v) if isinstance(v, tuple) else np.ndim(v)  # noqa: E731 (a shape)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call (issue 52): decode over per-layer buffers against the layer scan, on the
-# 32-layer 8B shape (full cache both ways, SnapKV at 1/8 per-layer; 32k batch 1, 8k batch 8,
-# 8k batch 1: % of the (weights + live KV) / bandwidth bound); TTFT / full of the methods that
+# One device call (issue 52): decode over per-layer buffers (the model stored per layer:
+# `Model.with_layers`) against the layer scan (stacked), on the 32-layer 8B shape (full cache
+# both ways, SnapKV at 1/8 per-layer; 32k batch 1, 8k batch 8, 8k batch 1: % of the
+# (weights + live KV) / bandwidth bound); TTFT / full of the methods that
 # need column sums (H2O, D2O, ObservedAttention, RoCo) and SlimInfer's step at 32k (4 layers);
 # then the fast suite on the GPU; last, the K/V-sized copies in the compiled decode program
 # of each layout (`kvjax.bench.decode_hlo`, $OUT/decode_hlo.txt). Appended to

@@ -98,6 +98,13 @@ def test_a_bad_layer_storage_is_refused():
     model = kvjax.load("tiny-retrieval")
     with pytest.raises(ValueError, match=r"layer storage 'rows'; allowed: \('stacked'"):
         model.with_layers("rows")
+    # the mesh's shardings are of the stacked weights: a per-layer model is refused there
+    from kvjax import distributed
+
+    per = model.with_layers("per_layer")
+    with pytest.raises(ValueError, match=r"'per_layer' is for a model on one device.*"
+                                         r"allowed on a mesh: 'stacked'"):
+        distributed.shard_params(per.params, per.cfg, distributed.make_mesh(1, 1))
 
 
 def test_an_append_writes_what_the_scatter_writes():
