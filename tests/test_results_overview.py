@@ -96,10 +96,14 @@ def test_docs_results_stays_small():
     # samples (0.75 MB over both models): 12 MB. Each per-sample statistic stored once
     # (`method_stats` no longer repeats the details: 1.5 MB, SlimInfer's kept blocks most)
     # left 10.5 MB; LAVa on cwe (1.1 MB: 120-token answers) made 12.06, and each benchmark
-    # prediction stored once (the details hold them, `report.predictions`) 11.2 MB. Next
-    # to slim: tiny/ (2.1 MB, the appendix model)
+    # prediction stored once (the details hold them, `report.predictions`) 11.2 MB. The
+    # SmolLM2 comparisons the pages declared without records (2026-11-29: LAVa's ablations
+    # on every task, the baselines at 1024 and 4096, D2O's family at 1024; 0.7 MB of
+    # records, 60 claims) and RULER's vt on Qwen under way (its unmerged batches, 0.55 MB,
+    # shrink to ~0.15 when slimmed) made 12.6: 14 MB. Next to slim: tiny/ (2.1 MB, the
+    # appendix model)
     size = sum(f.stat().st_size for f in RESULTS.rglob("*") if f.is_file())
-    assert size < 12_000_000, f"docs/results is {size / 1e6:.2f} MB: keep it under 12 MB"
+    assert size < 14_000_000, f"docs/results is {size / 1e6:.2f} MB: keep it under 14 MB"
 
 
 def test_readme_claims_table_is_current(ov):
