@@ -176,12 +176,11 @@ def roofline(model, cases, deadline, rates, variants=ROOFLINE_VARIANTS):
     (context, batch) in `cases` and each (method, decode layout) in `variants`."""
     import kvjax
     from kvjax.methods.slim.blocks import layer_flops
+    from kvjax.models.transformer import layer_storage
     from kvjax.pallas import Kernels
 
     cfg, (flops_s, bytes_s) = model.cfg, rates
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
-    from kvjax.models.transformer import layer_storage
-
     stored = {lay: _stored_for(model, lay) for _, lay in variants}  # one copy per storage
     rows, rng = [], np.random.default_rng(1)
     for n, batch in cases:

@@ -28,9 +28,7 @@ from kvjax.pallas.dispatch import Kernels
 
 def stage_params(params, a: int, b: int):
     """The stacked parameters of layers [a, b)."""
-    if transformer.layer_storage(params) == "per_layer":
-        return jax.tree.map(lambda *w: jnp.stack(w), *params["layers"][a:b])
-    return jax.tree.map(lambda w: w[a:b], params["layers"])
+    return jax.tree.map(lambda w: w[a:b], transformer.stacked_layers(params))
 
 
 def run_stage(params, cfg: ModelConfig, a: int, b: int, x, pos_BS, valid_BS, tail_Bw,
