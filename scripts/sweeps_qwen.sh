@@ -17,10 +17,11 @@
 #     asl_dev 1 done (30 min); prefill 5 done (ASL group ~75 min, SlimInfer/LazyLLM ~55 min),
 #     SlimInfer/LazyLLM at 512 done 2026-11-29 (~30 min); d2o 12 done 2026-11-29 (RoCo/CaM added);
 #     d2o_ablation 3, critical_co 8 and asl_variants 3 done 2026-11-29;
-#   vt: baselines 3 of 7 batches (~25 min a batch beside another sweep, ~15 alone); cwe:
-#     aggregation 14 done 2026-11-29;
-#   perplexity: Genesis 15 of 15 runs (complete 2026-11-29, ~8-18 min a run), essays under
-#     way (`perplexity` resumes it after the finished Genesis);
+#   vt: baselines 16 cells done 2026-11-29 (7 batches over three sessions, ~25 min a batch
+#     beside another sweep, ~15 alone); aggregation (LAVa's claim on vt) started 2026-11-29
+#     (~25-40 min a batch, 7 batches); cwe: aggregation 14 done 2026-11-29;
+#   perplexity: Genesis 15 of 15 runs (complete 2026-11-29, ~8-18 min a run), essays 5 or
+#     more of 15 (`perplexity` resumes it after the finished Genesis);
 #   8192: baselines on niah_multikey_2 done 2026-11-29
 #     (`CTX=8192 BATCH=8 nice bash scripts/sweeps_qwen.sh baselines ruler/niah_multikey_2`;
 #     the full cache answers 8 of 8 in ruler_8192_n8.jsonl): at BATCH=8 the run held 14.1 GB
