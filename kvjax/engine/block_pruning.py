@@ -28,7 +28,7 @@ from kvjax.pallas.dispatch import Kernels
 
 def stage_params(params, a: int, b: int):
     """The stacked parameters of layers [a, b)."""
-    return jax.tree.map(lambda w: w[a:b], transformer.stacked_layers(params))
+    return jax.tree.map(lambda w: w[a:b], params["layers"])
 
 
 def run_stage(params, cfg: ModelConfig, a: int, b: int, x, pos_BS, valid_BS, tail_Bw,

@@ -36,6 +36,7 @@ def compress_prompt(method: Method, params, cfg: ModelConfig, tokens_BT, valid_B
     (hidden state of the last prompt token [B, D], the kept kv stacked over layers,
     decode state, the method's stats). `mesh` (`kvjax.distributed.head_mesh`): run the
     per-layer hook per device on its own KV heads (`kvjax.distributed.shard_heads`)."""
+    params = transformer.as_stacked(params)  # once, before any loop over layers
     if method.prefill_kind == "token_selection":
         return token_selection.prefill(method, params, cfg, tokens_BT, valid_BT, pos_BT, kernels)
     if method.prefill_kind == "block_pruning":
@@ -165,6 +166,7 @@ def _extend(params, cache: kvcache.KVCache, tokens_BT, valid_BT, cfg, method, st
 def extend(params, cache, tokens_BT, valid_BT, state=None, *, cfg: ModelConfig, method: Method,
            kernels: Kernels = Kernels()):
     """Prefill a chunk (e.g. the question, context-only scenario) on top of a cache."""
+    params = transformer.as_stacked(params)
     return _extend(params, cache, tokens_BT, valid_BT, cfg, method, state, kernels)
 
 
@@ -191,6 +193,8 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
     B = logits_BV.shape[0]
     stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
     layered = _decode_layout(method, first, kernels, params) == "per_layer"
+    if not layered:  # the scan slices stacked weights: stacked once, outside the loop
+        params = transformer.as_stacked(params)
     if layered:
         # the cache split once for the whole generation (a copy), and the weights too
         # unless stored per layer (`transformer.store_layers`); the loop then carries
@@ -291,6 +295,9 @@ def host_decode(params, cfg: ModelConfig, cache, logits_BV, rng, state, *, metho
     Returns (tokens [B, max_new], counts [B], cache, state, host bookkeeping, compile
     seconds, kernel ops used, decode seconds)."""
     B = logits_BV.shape[0]
+    # the compiled segments slice stacked weights: stacked once here (a copy of a per-layer
+    # model's weights for the generation), not in every step's program
+    params = transformer.as_stacked(params)
     t0 = time.perf_counter()
     host, state, compile_s = method.init_host(cfg, cache, state, compile_once)
     setup_s = time.perf_counter() - t0 - compile_s

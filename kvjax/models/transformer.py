@@ -109,6 +109,13 @@ def stacked_layers(params: Params) -> Params:
     return jax.tree.map(lambda *w: jnp.stack(w), *layers)
 
 
+def as_stacked(params: Params) -> Params:
+    """`params` with stacked layers: what `layer_slice` and the layer scans take. Programs
+    call it once, outside their loops (inside one, a per-layer model would be stacked at
+    every step)."""
+    return {**params, "layers": stacked_layers(params)}
+
+
 def per_layer(params: Params) -> tuple[Params, ...]:
     """Each layer's parameters as its own buffers: as stored, or split from the stacked
     [L, ...] weights (a copy) -- what a loop over layers reads without slicing the stacked
@@ -132,6 +139,7 @@ def store_layers(params: Params, storage: str) -> Params:
 
 
 def layer_slice(params: Params, layer: Int[Array, ""]) -> Params:
-    """The parameters of one layer, by a (possibly traced) index."""
+    """The parameters of one layer, by a (possibly traced) index, of stacked params
+    (`as_stacked`)."""
     return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False),
-                        stacked_layers(params))
+                        params["layers"])
