@@ -7,24 +7,30 @@
 # host-loop step, its device time against its wall time (4 layers, 8k). Before them,
 # `kvjax.bench.decode_layout` (~1 minute): per-layer buffers against static slices of the
 # stacked arrays. One process per flag set (a flag this XLA does not know stops that
-# process only); each appends its run to $OUT/gpu.md.
-# Usage on the device: KVJAX_COMMIT=<hash> bash scripts/gpu_decode_flags.sh   (~8 minutes)
+# process only); each appends its run to $OUT/gpu.md. Without flags, the per-layer loop also
+# runs with 4 steps between two checks of the stop condition (`Kernels.decode_unroll`): the
+# host copy a quarter as often, the other answer to the same gap.
+# Usage on the device: KVJAX_COMMIT=<hash> bash scripts/gpu_decode_flags.sh   (~8-9 minutes)
 # On CPU, a try-out: SMALL=1 OUT=/tmp/out bash scripts/gpu_decode_flags.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=.
-CASES=8192x8:per_layer,8192x8:scan; N=8192; S=""; L=16
+CASES=8192x8:per_layer,8192x8:scan; UNROLLED=8192x8:per_layer/4; N=8192; S=""; L=16
 SLIM=8192x1:scan:full,8192x1:scan:sliminfer
-if [ -n "$SMALL" ]; then CASES=512x2:per_layer,512x2:scan; N=512; S=--small; L=4
+if [ -n "$SMALL" ]; then CASES=512x2:per_layer,512x2:scan; UNROLLED=512x2:per_layer/4
+  N=512; S=--small; L=4
   SLIM=512x1:scan:full,512x1:scan:sliminfer; fi
 mkdir -p "$OUT"
 cp docs/results/gpu.jsonl docs/results/gpu.md $OUT/
 # first, the one-step probe: may the loop read static slices of the stacked arrays (no
 # per-generation copy), inside a loop as decode runs it?
-timeout 150 python3 -m kvjax.bench.decode_layout $S 2>&1 | tee $OUT/decode_layout.txt
+timeout 90 python3 -m kvjax.bench.decode_layout $S 2>&1 | tee $OUT/decode_layout.txt
 for flags in "" \
     "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"; do
   echo "== XLA_FLAGS='$flags'" | tee -a $OUT/log.txt
-  XLA_FLAGS="$flags" timeout 150 python3 -m kvjax.bench.gpu $S --append --out $OUT/gpu.md \
-    --steps profile --contexts $N --roofline-layers $L --profile-cases $CASES --budget-s 140 \
+  # the unrolled loop only in the first (no flags), with the time it needs
+  more=$([ -z "$flags" ] && echo ",$UNROLLED"); t=$([ -z "$flags" ] && echo 200 || echo 150)
+  XLA_FLAGS="$flags" timeout $t python3 -m kvjax.bench.gpu $S --append --out $OUT/gpu.md \
+    --steps profile --contexts $N --roofline-layers $L --profile-cases $CASES$more \
+    --budget-s $((t - 10)) \
     2>&1 | grep -v "^W[0-9]" | tee -a $OUT/log.txt | tail -4
 done
 # SlimInfer's host-loop step (53x full's at 8k, gpu.md run 1): its device time per token

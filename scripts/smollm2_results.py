@@ -914,7 +914,7 @@ def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 40
             + (_qwen_layer_plot(recs, plot, ctx, at, "_" + prefix) if plot else ""))
     going = _under_way(f"{prefix}_*_{ctx}.jsonl.batches", folder)
     env = f"MODEL={folder.name} " if folder not in (None, QWEN) else ""
-    return blocks + ([f"{title[0].upper() + title[1:]}: under way: "
+    return blocks + ([f"{title[0].upper() + title[1:]}: "
                       f"{_resumes(going, section, env)}"] if going else [])
 
 

@@ -36,13 +36,14 @@ def test_small_check_writes_every_section(tmp_path):
     assert "| 2 | 256 | auto | snapkv | ok |" in text and "| 1 | 256 | auto | snapkv | ok |" in text
 
 
-@pytest.mark.parametrize("case", ["1024x1:scan:no_such_method", "1024x1:sideways", "1024:scan"])
+@pytest.mark.parametrize("case", ["1024x1:scan:no_such_method", "1024x1:sideways", "1024:scan",
+                                  "1024x1:scan/0", "1024x1:scan/x"])
 def test_profile_cases_refuse_what_they_cannot_run(case, tmp_path, capsys):
-    """`--profile-cases CONTEXTxBATCH:LAYOUT[:METHOD]`: a bad case is one usage error that
+    """`--profile-cases CONTEXTxBATCH:LAYOUT[/UNROLL][:METHOD]`: a bad case is one usage error that
     names it, before any model is built."""
     with pytest.raises(SystemExit) as e:
         gpu.main(["--small", "--steps", "profile", "--profile-cases", case,
                   "--out", str(tmp_path / "gpu.md")])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert repr(case) in err and "LAYOUT[:METHOD]" in err, err
+    assert repr(case) in err and "LAYOUT[/UNROLL][:METHOD]" in err, err

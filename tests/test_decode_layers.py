@@ -134,6 +134,42 @@ def test_split_and_stack_layers_round_trip():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("layout", ["scan", "per_layer"])
+def test_unrolled_decode_gives_the_tokens_of_one_step_an_iteration(setup, layout):
+    """`Kernels.decode_unroll`: k plain steps a loop iteration give k = 1's tokens, counts
+    and live cache bit for bit, with stops inside an iteration and a max_new that k does
+    not divide; a method with decode hooks keeps one step (its state would see the extra
+    steps). The steps run after every element stopped only append dead entries."""
+    model, prompts, _ = setup
+    m = _method("snapkv")
+    run = lambda k, stops=(), meth=m: engine.run(  # noqa: E731
+        model.params, model.cfg, prompts, meth, max_new_tokens=7, stop_ids=stops,
+        kernels=Kernels(decode_layers=layout, decode_unroll=k))
+    free = run(1).tokens
+    # element 0 stops at its third token, element 1 at its fifth (or where those ids come)
+    stops = (free[0][2], free[1][4])
+    one = run(1, stops)
+    assert min(len(t) for t in one.tokens) < 7  # a stop fired inside the generation
+    for k in (3, 4):
+        got = run(k, stops)
+        assert got.stats["kernels"]["decode_unroll"] == str(k)
+        assert got.tokens == one.tokens
+        live = np.asarray(one.cache.valid)
+        np.testing.assert_array_equal(np.asarray(got.cache.valid), live)
+        for f in ("k", "v", "pos"):
+            np.testing.assert_array_equal(np.asarray(getattr(got.cache, f))[live],
+                                          np.asarray(getattr(one.cache, f))[live], err_msg=f)
+    hooked = run(3, stops, _method("h2o"))
+    assert "decode_unroll" not in hooked.stats["kernels"]
+    assert hooked.tokens == run(1, stops, _method("h2o")).tokens
+
+
+def test_a_bad_unroll_is_refused():
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=r"decode_unroll=.*; allowed: an int >= 1"):
+            Kernels(decode_unroll=bad)
+
+
 def test_a_bad_layout_is_refused():
     with pytest.raises(ValueError, match=r"decode_layers='unrolled'; allowed: \('auto'"):
         Kernels(decode_layers="unrolled")

@@ -211,9 +211,10 @@ def roofline(model, cases, deadline, rates, variants=ROOFLINE_VARIANTS):
 
 
 def profile(model, n: int, out_dir: Path, batch: int = 1, layout: str = "auto",
-            method: str = "full") -> str:
+            method: str = "full", unroll: int = 1) -> str:
     """Device time per op for `method` at `n` tokens x `batch` with the decode layer
-    loop `layout` (`Kernels.decode_layers`): a prefill (1 new token) and a prefill + 32
+    loop `layout` (`Kernels.decode_layers`) and `unroll` steps between two checks of the
+    loop's stop condition (`Kernels.decode_unroll`): a prefill (1 new token) and a prefill + 32
     tokens, each traced with `jax.profiler` (Perfetto JSON under `out_dir`); the decode
     column is the difference of the two over 31 tokens (so a once-per-generation cost,
     such as splitting the cache into per-layer buffers, is in it divided by 31)."""
@@ -228,9 +229,10 @@ def profile(model, n: int, out_dir: Path, batch: int = 1, layout: str = "auto",
     rng = np.random.default_rng(3)
     ids = [[int(x) for x in rng.integers(3, model.cfg.vocab_size - 1, n)] for _ in range(batch)]
     gen = partial(kvjax.generate, _stored_for(model, layout), ids if batch > 1 else ids[0],
-                  method, kernels=Kernels(decode_layers=layout))
+                  method, kernels=Kernels(decode_layers=layout, decode_unroll=unroll))
     gen(max_new_tokens=32)  # compiles outside the traces
-    totals, tag = {}, f"{n}x{batch}_{layout}" + (f"_{method}" if method != "full" else "")
+    totals, tag = {}, (f"{n}x{batch}_{layout}" + (f"_u{unroll}" if unroll > 1 else "")
+                       + (f"_{method}" if method != "full" else ""))
     for label, new in (("prefill", 1), ("gen32", 32)):
         d = Path(tempfile.mkdtemp()) / label
         with jax.profiler.trace(str(d), create_perfetto_trace=True):
@@ -259,6 +261,7 @@ def profile(model, n: int, out_dir: Path, batch: int = 1, layout: str = "auto",
     pre, g32 = totals["prefill"], totals["gen32"]
     lines = [f"{n} tokens x {batch}, {method}, "
              f"decode_layers {r.stats['kernels']['decode_layers']}, "
+             f"decode_unroll {r.stats['kernels'].get('decode_unroll', '1')}, "
              f"tpot {r.stats['tpot_s'] * 1e3:.2f} ms (wall, 32 tokens)",
              f"{'op':70} {'prefill ms':>11} {'decode ms/tok':>14}"]
     for name, _ in (pre + g32).most_common(25):
@@ -387,9 +390,11 @@ def main(argv=None) -> int:
     p.add_argument("--roofline-cases", default=None,
                    help="CONTEXTxBATCH comma list (default: each context x1, the smallest x8)")
     p.add_argument("--profile-cases", default=None,
-                   help="CONTEXTxBATCH:LAYOUT[:METHOD] comma list for the profile step "
-                   "(LAYOUT: a Kernels.decode_layers value; METHOD: a registered method, "
-                   "default full; default: the largest context x1:auto)")
+                   help="CONTEXTxBATCH:LAYOUT[/UNROLL][:METHOD] comma list for the profile "
+                   "step (LAYOUT: a Kernels.decode_layers value; UNROLL: decode steps between "
+                   "two checks of the stop condition, Kernels.decode_unroll, default 1; "
+                   "METHOD: a registered method, default full; default: the largest "
+                   "context x1:auto)")
     p.add_argument("--append", action="store_true",
                    help="add this run's rows to those in the --out file's .jsonl")
     p.add_argument("--out", type=Path, default=ROOT / "docs/results/gpu.md")
@@ -431,12 +436,13 @@ def main(argv=None) -> int:
              if a.roofline_cases else [(n, 1) for n in contexts] + [(min(contexts), 8)])
     profile_cases = []
     for c in (a.profile_cases or f"{max(contexts)}x1:auto").split(","):
-        m = re.fullmatch(r"(\d+)x(\d+):(\w+)(?::(\w+))?", c)
-        if not m or m[3] not in DECODE_LAYERS or (m[4] and m[4] not in methods.names()):
-            p.error(f"--profile-cases: {c!r} is not CONTEXTxBATCH:LAYOUT[:METHOD] with LAYOUT "
-                    f"one of {DECODE_LAYERS} and METHOD a registered method "
-                    "(python -m kvjax.run --list-methods)")
-        profile_cases.append(((int(m[1]), int(m[2])), m[3], m[4] or "full"))
+        m = re.fullmatch(r"(\d+)x(\d+):(\w+)(?:/(\d+))?(?::(\w+))?", c)
+        if (not m or m[3] not in DECODE_LAYERS or (m[4] and int(m[4]) < 1)
+                or (m[5] and m[5] not in methods.names())):
+            p.error(f"--profile-cases: {c!r} is not CONTEXTxBATCH:LAYOUT[/UNROLL][:METHOD] with "
+                    f"LAYOUT one of {DECODE_LAYERS}, UNROLL an int >= 1 and METHOD a registered "
+                    "method (python -m kvjax.run --list-methods)")
+        profile_cases.append(((int(m[1]), int(m[2])), m[3], int(m[4] or 1), m[5] or "full"))
     models: dict = {}  # one random model per depth for the run (an 8B init takes seconds)
 
     def model_of(layers: int):
@@ -454,13 +460,14 @@ def main(argv=None) -> int:
                 roof += [dict(r, run=run) for r in roofline(model, cases, until, rates)]
             else:
                 parts = []
-                for (n, batch), layout, meth in profile_cases:
+                for (n, batch), layout, unroll, meth in profile_cases:
                     if time.perf_counter() > until - 30:
                         parts.append(f"{n} tokens x {batch}, {meth}, {layout}: not run "
                                      "(time budget)")
                         continue
                     try:
-                        parts.append(profile(model, n, a.out.parent, batch, layout, meth))
+                        parts.append(profile(model, n, a.out.parent, batch, layout, meth,
+                                             unroll))
                     except Exception:
                         parts.append(traceback.format_exc(limit=4))
                     print(parts[-1], file=sys.stderr, flush=True)  # kept if the run is cut

@@ -224,6 +224,18 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
             jnp.zeros((B,), jnp.int32), rng, state)
     if first is not None and max_new > 0:
         init = body(init, first)
+    k = _unroll(method, first, kernels)
+    if k > 1:
+        # k steps an iteration while k more fit; the single-step loop below runs the rest.
+        # A step after every element stopped samples pad and appends a dead entry (live
+        # is all False), so the tokens and counts are those of k = 1
+        def chunk(c):
+            for _ in range(k):
+                c = body(c)
+            return c
+
+        init = jax.lax.while_loop(lambda c: (c[0] + k <= max_new) & ~jnp.all(c[4]), chunk,
+                                  init)
     _, cache, _, out, _, n, _, state = jax.lax.while_loop(cond, body, init)
     if layered:
         kvs, end, next_pos = cache
@@ -243,6 +255,15 @@ def _decode_layout(method: Method, first: Method | None, kernels: Kernels, param
         return kernels.decode_layout()
     note("decode_layers", "scan")
     return "scan"
+
+
+def _unroll(method: Method, first: Method | None, kernels: Kernels) -> int:
+    """`Kernels.decode_unroll` where the step is plain (a hook method's state and
+    statistics would see the steps run after every element stopped), else 1."""
+    k = kernels.decode_unroll if first is None and method.plain_decode() else 1
+    if k > 1:
+        note("decode_unroll", str(k))
+    return k
 
 
 def _extend_layered(params, layers, cache, tokens_BT, valid_BT, cfg: ModelConfig,

@@ -64,6 +64,12 @@ class Kernels:
     value_norms: str = "auto"
     prefill_attention: str = "auto"
     decode_layers: str = "auto"
+    # decode steps between two checks of the loop's stop condition (plain decode steps
+    # only): on a GPU each check is a copy to the host that the next step waits on
+    # (docs/results/speed.md, the launch gap); k > 1 compiles k steps into one loop
+    # iteration, and after every element stopped runs at most k - 1 steps that write
+    # only dead entries
+    decode_unroll: int = 1
 
     def __post_init__(self):
         for op in OPS:
@@ -75,6 +81,10 @@ class Kernels:
         if self.decode_layers not in DECODE_LAYERS:
             raise ValueError(f"kernels: decode_layers={self.decode_layers!r}; allowed: "
                              f"{DECODE_LAYERS}")
+        if type(self.decode_unroll) is not int or self.decode_unroll < 1:
+            raise ValueError(f"kernels: decode_unroll={self.decode_unroll!r}; allowed: an "
+                             f"int >= 1 (decode steps between two checks of the stop "
+                             f"condition)")
 
     @classmethod
     def every(cls, choice: str | None) -> "Kernels":
