@@ -41,6 +41,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kvjax import api, engine, methods, report  # noqa: E402
+from kvjax.cli import records  # noqa: E402
+from kvjax.cli.args import UsageError  # noqa: E402
 from kvjax.models.checkpoint import provenance  # noqa: E402
 from kvjax.tasks.prose import text_ids  # noqa: E402
 
@@ -157,6 +159,11 @@ def main() -> None:
     a.ratios = [float(r) for r in a.ratios.split(",")]
     a.out.mkdir(parents=True, exist_ok=True)
 
+    if a.ppl_only:  # one writer: two resumes would each run the runs the file lacks
+        try:
+            records.hold(a.ppl_only)
+        except UsageError as e:
+            raise SystemExit(f"error: --ppl-only {e}") from None
     acc = [] if a.ppl_only or a.layer_sizes else accuracy(a, a.out)
     model = api.load(a.model)
     ids = text_ids(a.ppl_text, model.encode, a.ppl_tokens)

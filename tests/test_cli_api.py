@@ -421,6 +421,33 @@ def test_cli_resume_keeps_the_finished_batches(model_dir, tmp_path, capsys, monk
     assert drop(report.load_records(out)) == drop(report.load_records(whole))
 
 
+def test_a_second_writer_of_one_records_file_is_refused(model_dir, tmp_path, capsys):
+    """Two runs resuming one file would each run what it lacks and write it twice: while
+    one process holds a records file, a run on it stops with one line naming the file
+    (before any work); once that process ends, however, the lock is gone."""
+    out = tmp_path / "r.jsonl"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, pathlib; from kvjax.cli import records; "
+         "records.hold(pathlib.Path(sys.argv[1])); print('held', flush=True); "
+         "sys.stdin.read()", str(out)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        err = _error(capsys, *_sweep(model_dir, out))
+        assert f"{out}: another process is writing these records now" in err, err
+        assert not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _main(capsys, *_sweep(model_dir, out))[0] == 0
+    assert out.exists()
+    # the CLI lets go at its end (this process lives on): another process may hold it
+    again = subprocess.run([sys.executable, "-c", "import sys, pathlib; from kvjax.cli import "
+                            "records; records.hold(pathlib.Path(sys.argv[1]))", str(out)],
+                           capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+
+
 def test_cli_refuses_to_drop_the_batches_of_a_sweep_stopped_before_its_first_record(
         model_dir, tmp_path, capsys, monkeypatch):
     """Stopped in its first chunk, a sweep has no record yet, only finished batches: the

@@ -11,7 +11,8 @@ object rewritten atomically; `x.jsonl`: one line appended), so an error, a crash
 Ctrl-C keeps every finished record, and `--resume` runs only what the output lacks (a
 `.jsonl` output also keeps each finished batch of the records still running in
 `<output>.batches`, so a resumed sweep does not run them again: `records.Batches`). An
-existing output is replaced only with `--overwrite`. A bad input is one line,
+existing output is replaced only with `--overwrite`, and one output has one writer at a
+time (a second run on it stops before any work: `records.hold`). A bad input is one line,
 `error: <what, the bad value, what is allowed>`, and exit status 2 (`--debug` shows the
 traceback).
 """
@@ -28,7 +29,8 @@ from pathlib import Path
 
 from kvjax.cli.args import (EXIT_USAGE, UsageError, check_scope, check_tasks, make_mesh,
                             parse_args, split_pairs)
-from kvjax.cli.records import Batches, Output, check_resume, kept_message, one_line
+from kvjax.cli.records import (Batches, Output, check_resume, kept_message, one_line,
+                                release_held)
 from kvjax.cli.signals import (PENDING, exit_now, on_sigint, on_sigterm, quiet_unraisable,
                                sigint_deferred, stop_status, stopped)
 from kvjax.cli.sweep import Job, configured, job_key, measure, plan, settings_of
@@ -53,6 +55,7 @@ def main(argv=None) -> int:
     try:
         return _run_main(argv, debug)
     finally:
+        release_held()
         sys.unraisablehook = unraisable
         for sig, handler in previous.items():  # None: a handler not installed from Python
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)

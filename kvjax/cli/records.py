@@ -61,6 +61,50 @@ def _dumps(x, **kw) -> str:
 # ---- the output: checked first, written as each record finishes ----------------------------
 
 
+_HELD: dict[str, int] = {}  # records file -> the descriptor holding its lock (`hold`)
+
+
+def _lock(path: Path) -> int | None:
+    """An open descriptor holding an exclusive advisory lock for `path`, or UsageError when
+    another process holds it. The lock file sits in the temp folder, named by a hash of
+    the absolute path (nothing lands beside the records), and goes with its process
+    however that ends (`flock`: no stale lock after a kill). None where there is no
+    `fcntl` (Windows): no lock."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    import hashlib
+
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    lock = Path(tempfile.gettempdir()) / f"kvjax-records-{key}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UsageError(f"{path}: another process is writing these records now (lock "
+                         f"{lock}); wait for it to end, or write another file") from None
+    return fd
+
+
+def hold(path: Path) -> None:
+    """Lock `path`'s records for this process until `release_held`: two runs resuming one
+    file would each run what it lacks and write it twice (two resumes of one perplexity
+    file did, 2026-11-29). Held twice in one process is held once."""
+    key = str(path.resolve())
+    if key not in _HELD:
+        fd = _lock(path)
+        if fd is not None:
+            _HELD[key] = fd
+
+
+def release_held() -> None:
+    """Release every lock `hold` took (the CLI's end)."""
+    while _HELD:
+        os.close(_HELD.popitem()[1])
+
+
 class Output:
     """The records file. Checked before any work (a missing folder, a folder, an unwritable
     path, an existing file without --resume/--overwrite are refused); each record is
@@ -96,6 +140,7 @@ class Output:
         except OSError as e:
             raise UsageError(f"--output {path}: cannot write in {path.parent} "
                              f"({e.strerror})") from e
+        hold(path)  # before reading what is there: another writer may be adding to it
         if resume and path.exists():
             from kvjax.report import load_records
 
