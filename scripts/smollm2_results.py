@@ -454,7 +454,7 @@ def intro(ctx: int, recs: list[dict], files: str, extra: str = "", task: str = T
             "sweep's wall times on a 2-core machine that sometimes ran other work: compare "
             "them within one records file, not across files. Rendered by `python "
             f"scripts/smollm2_results.py` from docs/results/smollm2/{files}; the sweeps: "
-            f"`scripts/sweeps_smollm2.sh` (these records: {_minutes_text(recs)} on 2 cores, "
+            f"`scripts/sweeps_smollm2.sh` (these records: {_minutes_text(recs)}, "
             f"summed from their own TTFT, TPOT x steps and compile times). The "
             "claims are "
             "judged paired on the same prompts (`a wins : b wins`: the samples only one of "
@@ -488,12 +488,12 @@ def _sweep_minutes(recs: list[dict], batch: int = 8) -> tuple[float, bool]:
     return (total + sum(shared.values())) / 60, exact
 
 
-def _minutes_text(recs: list[dict]) -> str:
-    """`_sweep_minutes` as the pages say it: `at most`, with why, only where a record holds
-    no step count."""
+def _minutes_text(recs: list[dict], where: str = "on 2 cores") -> str:
+    """`_sweep_minutes` as the pages say it (`where`: the machine and clock): `at most`,
+    with why, only where a record holds no step count."""
     minutes, exact = _sweep_minutes(recs)
-    return (f"{minutes:.0f} min" if exact else f"at most {minutes:.0f} min: decoding "
-            "counted at max_new_tokens, where records hold no step count")
+    return (f"{minutes:.0f} min {where}" if exact else f"at most {minutes:.0f} min {where}: "
+            "decoding counted at max_new_tokens, where records hold no step count")
 
 
 def _base_files(ctx: int) -> str:
@@ -701,8 +701,9 @@ def qwen_baselines() -> str:
             "`qwen2.5-coder-0.5b-ruler`), SnapKV's pooling kernel at its default 7 at 4096 and at "
             "the dev-chosen kernel at longer contexts (7 left the family at the floor at 4096), "
             "methods otherwise at their papers' defaults. Rendered by `python scripts/smollm2_results.py` from "
-            "the records of `scripts/sweeps_qwen.sh baselines` (ObservedAttention, the ninth, from "
-            "`scripts/sweeps_qwen.sh papers`, on the same samples).")
+            "the records of `scripts/sweeps_qwen.sh baselines` (ObservedAttention, the ninth, HeadKV "
+            "and the SnapKV family at the dev-chosen kernel from the `papers` and `aggregation` "
+            "sweeps where they ran, on the same samples).")
     if going:
         head += " Sweeps not finished: " + "; ".join(going) + "."
     if not blocks:
@@ -717,10 +718,14 @@ def _qwen_baseline_blocks(ctx: int) -> list[str]:
         recs = [{**r, "_files": [rel]} for r in report.load_records(f) if r["samples"] >= 50]
         if not {"full", "snapkv"} <= {r["method"] for r in recs}:
             continue
-        papers = f.with_name(f.name.replace("baselines_", "papers_", 1))
-        if papers.exists():  # the one baseline measured beside the papers' methods
-            recs += [{**r, "_files": [str(papers.relative_to(ROOT))]}
-                     for r in report.load_records(papers) if r["samples"] >= 50
+        # the baselines measured beside the papers' methods on the same samples (the papers
+        # sweep, LAVa's aggregation sweep): ObservedAttention, HeadKV, the SnapKV family at
+        # the dev-chosen kernel
+        beside = [g for g in (f.with_name(f.name.replace("baselines_", side, 1))
+                              for side in ("papers_", "lava_")) if g.exists()]
+        for g in beside:
+            recs += [{**r, "_files": [str(g.relative_to(ROOT))]}
+                     for r in report.load_records(g) if r["samples"] >= 50
                      and (r["method"] in ("observed_attention", "headkv") or (
                          r["method"] in ("snapkv", "ada_snapkv")
                          and params(r).get("kernel") != 7))]
@@ -733,9 +738,10 @@ def _qwen_baseline_blocks(ctx: int) -> list[str]:
             f"(`--ruler-skip {skip}`: the calibration chose the task on samples 0-15), "
             f"plain prompts, {ctx} tokens, question-aware, "
             f"seed {recs[0]['seed']}; {report.model_line(recs)}. Full cache: {fmt(full)}. Records: `{rel}` "
-            f"({_minutes_text(recs)} on 2 cores by their own clocks)"
-            + (f"; ObservedAttention's: `{papers.relative_to(ROOT)}`" if any(
-                r["method"] == "observed_attention" for r in recs) else "")
+            f"({_minutes_text(recs, 'on 2 cores by their own clocks')})"
+            + "".join(f"; beside the papers' methods: `{g.relative_to(ROOT)}`"
+                      for g in beside if any(str(g.relative_to(ROOT)) in r["_files"]
+                                             for r in recs))
             + f"; the declared comparisons read the SnapKV family at kernel "
               f"{_baseline_kernel(ctx)}.\n\n"
             + table(recs) + "\n\n" + claims(recs, _qwen_pairs(ctx), budgets(ctx)))

@@ -142,7 +142,7 @@ sweep1 gaps_k17_1024.jsonl --method ada_pyramidkv,lava_heads_only,lava_layers_on
 TASK=passkey sweep1 passkey_gaps_1024.jsonl --method observed_attention,pyramidkv --budget 128,64
 TASK=passkey sweep1 passkey_gaps_k17_1024.jsonl --method ada_pyramidkv,pyramidkv,lava_heads_only,lava_layers_only,headkv \
   --budget 128,64 --set kernel=17
-sweep2 critical_co_headkv_k17_2048.jsonl --method headkv,critical_headkv --budget 512,256 \
+sweep2 critical_co_headkv_k17_2048.jsonl --method headkv,critical_headkv --budget 1024,819,512,256 \
   --set kernel=17 --scenario context_only
 sweep4 gaps_4096.jsonl --method snapkv,ada_snapkv,pyramidkv,observed_attention --budget 512,256
 sweep4 gaps_k17_4096.jsonl --method ada_pyramidkv,pyramidkv,headkv --budget 512,256 --set kernel=17

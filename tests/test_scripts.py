@@ -127,13 +127,14 @@ def test_results_pooling_and_sweep_time(monkeypatch):
     want = 2 * 30.0 + 2 * (6 + 5) + 2 * (12 + 5) + 2 * 6.0
     minutes, exact = s._sweep_minutes(recs)  # no step counts: max_new_tokens, an upper bound
     assert abs(minutes - want / 60) < 1e-9 and not exact
-    assert s._minutes_text(recs).startswith(f"at most {want / 60:.0f} min: decoding counted")
+    assert s._minutes_text(recs).startswith(f"at most {want / 60:.0f} min on 2 cores: decoding "
+                                            "counted")
     # with the steps each record ran (3 and 4 over its 2 batches), the decode is exact
     recs = [dict(r, steps_run=k, batches=2) for r, k in zip(recs, (3, 4))]
     want = 2 * 30.0 + 2 * 6 + 3 * 0.5 + 2 * 12 + 4 * 0.5 + 2 * 6.0
     minutes, exact = s._sweep_minutes(recs)
     assert abs(minutes - want / 60) < 1e-9 and exact
-    assert s._minutes_text(recs) == f"{want / 60:.0f} min"  # no `at most`, no why
+    assert s._minutes_text(recs) == f"{want / 60:.0f} min on 2 cores"  # no `at most`, no why
 
 
 def _qwen_renderer(monkeypatch, tmp_path, page: str):
