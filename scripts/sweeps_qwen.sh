@@ -18,10 +18,13 @@
 #     SlimInfer/LazyLLM at 512 done 2026-11-29 (~30 min); d2o 12 done 2026-11-29 (RoCo/CaM added);
 #     d2o_ablation 3, critical_co 8 and asl_variants 3 done 2026-11-29;
 #   vt: baselines 16 cells done 2026-11-29 (7 batches over three sessions, ~25 min a batch
-#     beside another sweep, ~15 alone); aggregation (LAVa's claim on vt) started 2026-11-29
-#     (~25-40 min a batch, 7 batches); cwe: aggregation 14 done 2026-11-29;
-#   perplexity: Genesis 15 of 15 runs (complete 2026-11-29, ~8-18 min a run), essays 5 or
-#     more of 15 (`perplexity` resumes it after the finished Genesis);
+#     beside another sweep, ~15 alone); aggregation 15 done 2026-11-29 (`aggregation ruler/vt`,
+#     ~12 min a batch beside another sweep); critical_co 8 done 2026-11-29 (~12 min a batch);
+#     d2o 12 done 2026-11-29; cwe: aggregation 14 done 2026-11-29;
+#   perplexity: Genesis and essays 15 of 15 runs each (complete 2026-11-29, ~7-18 min a run;
+#     one writer per file: a second `perplexity` on the same file stops at once);
+#   memory: a Qwen 0.5B sweep holds ~8-9 GB; two of them beside the full test suite were
+#     too much for 24 GB (the OOM killer took one, 2026-11-29): one sweep beside the suite;
 #   8192: baselines on niah_multikey_2 done 2026-11-29
 #     (`CTX=8192 BATCH=8 nice bash scripts/sweeps_qwen.sh baselines ruler/niah_multikey_2`;
 #     the full cache answers 8 of 8 in ruler_8192_n8.jsonl): at BATCH=8 the run held 14.1 GB
@@ -173,7 +176,8 @@ run() {  # file, then arguments; the records (or a stopped sweep's batches) slim
   local f=$D/$1; shift
   if [ -e "$f" ] || [ -e "$f.batches" ]; then $R "$@" --output "$f" --resume; else $R "$@" --output "$f"; fi
   # LazyLLM's per-token kept sets (up to 30 KB a sample) say nothing the pages read
-  local every=(); case $f in */prefill_slim_*) every=(--every-method) ;; esac
+  # nor D2O's per-sample thresholds (tau0: 8 KB a batch on vt)
+  local every=(); case $f in */prefill_slim_*|*/d2o_*) every=(--every-method) ;; esac
   for g in "$f" "$f.batches"; do
     [ -e "$g" ] && python scripts/smollm2_results.py "${every[@]}" --slim "$g"
   done
