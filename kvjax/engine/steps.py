@@ -234,8 +234,7 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
                 c = body(c)
             return c
 
-        init = jax.lax.while_loop(lambda c: (c[0] + k <= max_new) & ~jnp.all(c[4]), chunk,
-                                  init)
+        init = jax.lax.while_loop(lambda c: cond(c) & (c[0] + k <= max_new), chunk, init)
     _, cache, _, out, _, n, _, state = jax.lax.while_loop(cond, body, init)
     if layered:
         kvs, end, next_pos = cache
