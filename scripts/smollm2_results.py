@@ -848,6 +848,14 @@ def qwen_papers(page: str, ctx: int = 4096) -> str | None:
         base = f.with_name(f.name.replace("papers_", "baselines_", 1))
         recs = [{**r, "_files": [str(g.relative_to(ROOT))]} for g in (f, base) if g.exists()
                 for r in report.load_records(g) if r["samples"] >= 50]
+        # where the aggregation sweep ran this task (same samples), LAVa, CAKE and the
+        # SnapKV family at the chosen kernel are its cells: the papers sweep skips them
+        agg = f.with_name(f.name.replace("papers_", "lava_", 1))
+        if agg.exists():
+            here = {r["method"] for r in recs if r["_files"][0] == str(f.relative_to(ROOT))}
+            recs += [{**r, "_files": [str(agg.relative_to(ROOT))]}
+                     for r in report.load_records(agg) if r["samples"] >= 50
+                     and r["method"] not in here | {"full"}]
         if k is None or not {"full", "lava", "d2o"} <= {r["method"] for r in recs}:
             continue
         mine = [r for r in recs if r["method"] in shown
@@ -858,7 +866,10 @@ def qwen_papers(page: str, ctx: int = 4096) -> str | None:
             f"{ctx} tokens, question-aware, seed {recs[0]['seed']}; {report.model_line(recs)}; "
             f"pooling kernel {k} where a method has one (chosen on RULER's samples "
             f"{QWEN_DEV_SKIP}-{QWEN_DEV_SKIP + 49}: pooling.md). Records: "
-            f"`{f.relative_to(ROOT)}` and, for full, H2O and StreamingLLM (and the SnapKV "
+            f"`{f.relative_to(ROOT)}`"
+            + (f", for LAVa, CAKE and the SnapKV family `{agg.relative_to(ROOT)}` (the "
+               "aggregation sweep's cells)" if agg.exists() else "")
+            + f" and, for full, H2O and StreamingLLM (and the SnapKV "
             f"family at kernel 7), `{base.relative_to(ROOT)}`.\n\n"
             + table(mine) + "\n\n" + claims(mine, pairs, budgets(ctx))
             + (_qwen_layer_plot(mine, page, ctx, budgets(ctx)) if page != "criticalkv" else ""))

@@ -176,8 +176,8 @@ run() {  # file, then arguments; the records (or a stopped sweep's batches) slim
   local f=$D/$1; shift
   if [ -e "$f" ] || [ -e "$f.batches" ]; then $R "$@" --output "$f" --resume; else $R "$@" --output "$f"; fi
   # LazyLLM's per-token kept sets (up to 30 KB a sample) say nothing the pages read
-  # nor D2O's per-sample thresholds (tau0: 8 KB a batch on vt)
-  local every=(); case $f in */prefill_slim_*|*/d2o_*) every=(--every-method) ;; esac
+  # nor D2O's per-sample thresholds (tau0: 8 KB a batch on vt) nor LAVa's layer weights
+  local every=(); case $f in */prefill_slim_*|*/d2o_*|*/papers_*) every=(--every-method) ;; esac
   for g in "$f" "$f.batches"; do
     [ -e "$g" ] && python scripts/smollm2_results.py "${every[@]}" --slim "$g"
   done
@@ -221,19 +221,23 @@ case "${1:-baselines}" in
           --task "$t" --budget $B8,$B16 --method snapkv,ada_snapkv --set kernel=$k
       done
     done ;;
-  papers)
+  papers)  # where the aggregation sweep ran the task (lava_<task>), LAVa, CAKE and the
+    # SnapKV family at the chosen kernel are its cells (same samples): not run twice
     K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
     M=lava,cake,critical_snapkv,critical_adakv,headkv,critical_headkv,d2o,observed_attention
-    SETS=()
-    if [ "$K" != 7 ]; then
-      M=snapkv,ada_snapkv,pyramidkv,$M
-      for m in snapkv ada_snapkv pyramidkv lava cake critical_snapkv critical_adakv headkv \
-               critical_headkv; do
-        SETS+=(--set "$m.kernel=$K")
-      done
-    fi
+    [ "$K" != 7 ] && M=snapkv,ada_snapkv,pyramidkv,$M
     for t in ${TASKS//,/ }; do
-      run "papers_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B8,$B16 --method "$M" "${SETS[@]}"
+      MT=() SETS=()
+      for m in ${M//,/ }; do
+        if [ -e "$D/lava_${t#ruler/}_$CTX.jsonl" ]; then
+          case $m in snapkv|ada_snapkv|pyramidkv|lava|cake) continue ;; esac
+        fi
+        MT+=("$m")
+        case $m in d2o|observed_attention) ;; *) SETS+=(--set "$m.kernel=$K") ;; esac
+      done
+      M1=${MT[*]}
+      run "papers_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B8,$B16 --method "${M1// /,}" \
+        "${SETS[@]}"
     done ;;
   d2o)
     for t in ${TASKS//,/ }; do
