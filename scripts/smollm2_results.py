@@ -793,6 +793,17 @@ def qwen_pooling(task: str = "niah_multikey_2", ctx: int = 4096) -> str:
                              if k == 7 else "."))
 
 
+def qwen_poolings(ctx: int = 4096) -> str:
+    """`qwen_pooling` of niah_multikey_2 (the kernel every Qwen claim uses), then of each
+    other task with a dev pooling sweep: what that task's own dev samples would choose."""
+    tasks = {f.name.split("_", 3)[3].rsplit("_", 1)[0]
+             for f in QWEN.glob(f"dev_pool_k*_{ctx}.jsonl*")} - {"niah_multikey_2"}
+    return "\n\n".join([qwen_pooling(ctx=ctx)] + [
+        f"### ruler/{t}'s own dev samples\n\nThe claims on {t} use the kernel chosen above "
+        f"(on niah_multikey_2); this says which kernel {t}'s dev samples would choose.\n\n"
+        + qwen_pooling(t, ctx) for t in sorted(tasks)])
+
+
 # ASL's reading on Qwen (`scripts/sweeps_qwen.sh asl_dev`, declared before that run): the
 # defaults (the authors' code: ranks from layer 0) if at least half the dev prompts would
 # select at the paper's tau 0.3; else ranks from L_min, the reading SmolLM2's dev seed chose
@@ -836,9 +847,28 @@ def _at_qwen_kernel(m: str) -> dict:
     return {"kernel": qwen_dev_kernel()[0]} if m in KERNELED else {}
 
 
-def qwen_papers(page: str, ctx: int = 4096) -> str | None:
+def qwen_papers(page: str) -> str | None:
     """A page's comparisons on Qwen2.5-Coder-0.5B from `scripts/sweeps_qwen.sh papers` and
-    the baselines sweep of the same task; None before any papers sweep is complete."""
+    the baselines sweep of the same task, at each context; None before any papers sweep is
+    complete."""
+    blocks = [b for ctx in QWEN_CONTEXTS for b in _qwen_paper_blocks(page, ctx)]
+    going = [g for ctx in QWEN_CONTEXTS for g in _under_way(f"papers_*_{ctx}.jsonl.batches")]
+    more = qwen_more(page)
+    if not blocks:
+        return ("Not measured yet: " + _resumes(going, "papers ruler/niah_multikey_2")
+                if going else None)
+    return ("The papers' methods on the RULER tasks Qwen2.5-Coder-0.5B's full cache solves, "
+            "at 1/8 and 1/16 of the context, rendered by `python "
+            "scripts/smollm2_results.py` from `scripts/sweeps_qwen.sh papers`."
+            + (" Sweeps not finished: " + "; ".join(going) + "." if going else "") + "\n\n"
+            + "\n\n".join(blocks + more))
+
+
+def _qwen_paper_blocks(page: str, ctx: int) -> list[str]:
+    """A block per complete `papers_<task>_<ctx>.jsonl`: the page's methods, with full, H2O,
+    StreamingLLM (and at longer contexts the SnapKV family) from the baselines sweep of the
+    same samples, and LAVa, CAKE and the SnapKV family from the aggregation sweep where it
+    ran the task."""
     k = qwen_dev_kernel()[0]
     want = _at_qwen_kernel
     pairs = [(a, b, want(a), want(b)) for a, b in QWEN_PAPER_PAIRS[page]]
@@ -862,7 +892,8 @@ def qwen_papers(page: str, ctx: int = 4096) -> str | None:
                 and all(params(r).get(kk) == v for kk, v in want(r["method"]).items())]
         skip = recs[0].get("ruler_skip", 0)
         blocks.append(
-            f"#### {recs[0]['task']}\n\nRULER's samples {skip}-{skip + 49}, plain prompts, "
+            f"#### {recs[0]['task']}{f' at {ctx}' if ctx != QWEN_CONTEXTS[0] else ''}\n\n"
+            f"RULER's samples {skip}-{skip + 49}, plain prompts, "
             f"{ctx} tokens, question-aware, seed {recs[0]['seed']}; {report.model_line(recs)}; "
             f"pooling kernel {k} where a method has one (chosen on RULER's samples "
             f"{QWEN_DEV_SKIP}-{QWEN_DEV_SKIP + 49}: pooling.md). Records: "
@@ -870,18 +901,10 @@ def qwen_papers(page: str, ctx: int = 4096) -> str | None:
             + (f", for LAVa, CAKE and the SnapKV family `{agg.relative_to(ROOT)}` (the "
                "aggregation sweep's cells)" if agg.exists() else "")
             + f" and, for full, H2O and StreamingLLM (and the SnapKV "
-            f"family at kernel 7), `{base.relative_to(ROOT)}`.\n\n"
+            f"family at kernel {_baseline_kernel(ctx)}), `{base.relative_to(ROOT)}`.\n\n"
             + table(mine) + "\n\n" + claims(mine, pairs, budgets(ctx))
             + (_qwen_layer_plot(mine, page, ctx, budgets(ctx)) if page != "criticalkv" else ""))
-    going = _under_way(f"papers_*_{ctx}.jsonl.batches")
-    more = qwen_more(page, ctx)
-    if not blocks:
-        return ("Not measured yet: " + _resumes(going, "papers ruler/niah_multikey_2")
-                if going else None)
-    return ("The papers' methods on the RULER tasks Qwen2.5-Coder-0.5B's full cache solves "
-            "at 4096, at 1/8 and 1/16 of the context, rendered by `python "
-            "scripts/smollm2_results.py` from `scripts/sweeps_qwen.sh papers`.\n\n"
-            + "\n\n".join(blocks + more))
+    return blocks
 
 
 QWEN_TITLES = {"qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B", "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B"}
@@ -1998,7 +2021,7 @@ def main(argv=None) -> int:
     report.replace_section(ROOT / "docs" / "results" / "baselines.md", "qwen-baselines",
                            fill(qwen))
     report.replace_section(ROOT / "docs" / "results" / "pooling.md", "qwen-pooling",
-                           qwen_pooling())
+                           qwen_poolings())
     for page, body in qwen_pages.items():
         if body:
             report.replace_section(ROOT / "docs" / "results" / f"{page}.md", f"qwen-{page}",

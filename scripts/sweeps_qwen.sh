@@ -221,11 +221,12 @@ case "${1:-baselines}" in
           --task "$t" --budget $B8,$B16 --method snapkv,ada_snapkv --set kernel=$k
       done
     done ;;
-  papers)  # where the aggregation sweep ran the task (lava_<task>), LAVa, CAKE and the
-    # SnapKV family at the chosen kernel are its cells (same samples): not run twice
+  papers)  # the cells another sweep of the same samples has at the chosen kernel are not
+    # run twice: LAVa, CAKE and the SnapKV family where the aggregation sweep ran the task
+    # (lava_<task>), the SnapKV family at longer contexts (the baselines sweep ran it there)
     K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
     M=lava,cake,critical_snapkv,critical_adakv,headkv,critical_headkv,d2o,observed_attention
-    [ "$K" != 7 ] && M=snapkv,ada_snapkv,pyramidkv,$M
+    [ "$K" != 7 ] && [ "$CTX" = 4096 ] && M=snapkv,ada_snapkv,pyramidkv,$M
     for t in ${TASKS//,/ }; do
       MT=() SETS=()
       for m in ${M//,/ }; do
