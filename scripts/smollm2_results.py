@@ -879,13 +879,15 @@ def _qwen_paper_blocks(page: str, ctx: int) -> list[str]:
         recs = [{**r, "_files": [str(g.relative_to(ROOT))]} for g in (f, base) if g.exists()
                 for r in report.load_records(g) if r["samples"] >= 50]
         # where the aggregation sweep ran this task (same samples), LAVa, CAKE and the
-        # SnapKV family at the chosen kernel are its cells: the papers sweep skips them
+        # SnapKV family at the chosen kernel are its cells: the papers sweep skips them.
+        # Full from there too: the same comparison of LAVa with full is then one registry
+        # row on both blocks (a row's records name one full record: `claims.find`)
         agg = f.with_name(f.name.replace("papers_", "lava_", 1))
         if agg.exists():
             here = {r["method"] for r in recs if r["_files"][0] == str(f.relative_to(ROOT))}
-            recs += [{**r, "_files": [str(agg.relative_to(ROOT))]}
-                     for r in report.load_records(agg) if r["samples"] >= 50
-                     and r["method"] not in here | {"full"}]
+            recs = [r for r in recs if r["method"] != "full"] + [
+                {**r, "_files": [str(agg.relative_to(ROOT))]} for r in report.load_records(agg)
+                if r["samples"] >= 50 and r["method"] not in here]
         if k is None or not {"full", "lava", "d2o"} <= {r["method"] for r in recs}:
             continue
         mine = [r for r in recs if r["method"] in shown
@@ -898,10 +900,10 @@ def _qwen_paper_blocks(page: str, ctx: int) -> list[str]:
             f"pooling kernel {k} where a method has one (chosen on RULER's samples "
             f"{QWEN_DEV_SKIP}-{QWEN_DEV_SKIP + 49}: pooling.md). Records: "
             f"`{f.relative_to(ROOT)}`"
-            + (f", for LAVa, CAKE and the SnapKV family `{agg.relative_to(ROOT)}` (the "
+            + (f", for full, LAVa, CAKE and the SnapKV family `{agg.relative_to(ROOT)}` (the "
                "aggregation sweep's cells)" if agg.exists() else "")
-            + f" and, for full, H2O and StreamingLLM (and the SnapKV "
-            f"family at kernel {_baseline_kernel(ctx)}), `{base.relative_to(ROOT)}`.\n\n"
+            + f" and, for {'' if agg.exists() else 'full, '}H2O and StreamingLLM (and the "
+            f"SnapKV family at kernel {_baseline_kernel(ctx)}), `{base.relative_to(ROOT)}`.\n\n"
             + table(mine) + "\n\n" + claims(mine, pairs, budgets(ctx))
             + (_qwen_layer_plot(mine, page, ctx, budgets(ctx)) if page != "criticalkv" else ""))
     return blocks

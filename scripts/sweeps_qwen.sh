@@ -20,12 +20,19 @@
 #   vt: baselines 16 cells done 2026-11-29 (7 batches over three sessions, ~25 min a batch
 #     beside another sweep, ~15 alone); aggregation 15 done 2026-11-29 (`aggregation ruler/vt`,
 #     ~12 min a batch beside another sweep); critical_co 8 done 2026-11-29 (~12 min a batch);
-#     d2o 12 done 2026-11-29; cwe: aggregation 14 done 2026-11-29;
+#     d2o 12 done 2026-11-29; papers 12 done 2026-11-29 (the methods the aggregation sweep
+#     had not run: CriticalKV's three, HeadKV, D2O, ObservedAttention; 7 batches of ~8.5 min
+#     beside the pooling sweep); pooling (vt's own dev samples) 8 done 2026-11-29 (~28 min a
+#     kernel beside the papers sweep; vt's dev chooses 7, not niah's 17: the vt cells above
+#     at 17 are not re-run at 7 yet); cwe: aggregation 14 done 2026-11-29;
 #   perplexity: Genesis and essays 15 of 15 runs each (complete 2026-11-29, ~7-18 min a run;
 #     one writer per file: a second `perplexity` on the same file stops at once);
 #   memory: a Qwen 0.5B sweep holds ~8-9 GB; two of them beside the full test suite were
 #     too much for 24 GB (the OOM killer took one, 2026-11-29): one sweep beside the suite;
-#   8192: baselines on niah_multikey_2 done 2026-11-29
+#   8192: papers on niah_multikey_2 under way 2026-11-29 (`CTX=8192 BATCH=8 nice bash
+#     scripts/sweeps_qwen.sh papers ruler/niah_multikey_2`: 8 methods x 2 budgets, the SnapKV
+#     family from the baselines sweep at the same kernel; resumable);
+#     baselines on niah_multikey_2 done 2026-11-29
 #     (`CTX=8192 BATCH=8 nice bash scripts/sweeps_qwen.sh baselines ruler/niah_multikey_2`;
 #     the full cache answers 8 of 8 in ruler_8192_n8.jsonl): at BATCH=8 the run held 14.1 GB
 #     RSS and took 93 min alone (474 s of shared prefill a batch of 8, ~59 s a sample; 7

@@ -100,10 +100,13 @@ def test_docs_results_stays_small():
     # SmolLM2 comparisons the pages declared without records (2026-11-29: LAVa's ablations
     # on every task, the baselines at 1024 and 4096, D2O's family at 1024; 0.7 MB of
     # records, 60 claims) and RULER's vt on Qwen under way (its unmerged batches, 0.55 MB,
-    # shrink to ~0.15 when slimmed) made 12.6: 14 MB. Next to slim: tiny/ (2.1 MB, the
-    # appendix model)
+    # shrink to ~0.15 when slimmed) made 12.6: 14 MB. vt's papers sweep and its own dev
+    # pooling sweep (0.4 MB, the papers records slimmed of LAVa's layer weights and D2O's
+    # thresholds: -0.16 MB) made 14.1, and the papers' methods at 8192 (~0.4 MB) are under
+    # way: 15 MB. Next to slim: tiny/ (2.1 MB, the appendix model), then claims.jsonl's
+    # record keys (0.6 MB; each repeats its row's task, context, seed and scenario)
     size = sum(f.stat().st_size for f in RESULTS.rglob("*") if f.is_file())
-    assert size < 14_000_000, f"docs/results is {size / 1e6:.2f} MB: keep it under 14 MB"
+    assert size < 15_000_000, f"docs/results is {size / 1e6:.2f} MB: keep it under 15 MB"
 
 
 def test_readme_claims_table_is_current(ov):
