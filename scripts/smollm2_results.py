@@ -600,17 +600,20 @@ def _resumes(going: list[str], section: str, env: str = "") -> str:
     return f"{'; '.join(going)} (`{env}nice bash scripts/sweeps_qwen.sh {section}` resumes it)."
 
 
-def _own_and_full(f, prefix: str, keep=lambda r: True) -> tuple[list[dict], object]:
+def _own_and_full(f, prefix: str, keep=lambda r: True,
+                  from_base: tuple[str, ...] = ()) -> tuple[list[dict], object]:
     """The complete cells (n >= 50) of a Qwen sweep's records `<prefix>_<task>_<ctx>.jsonl`
-    that `keep` passes, each with its file, and full from the baselines sweep of the same
-    samples where the file has none; and that baselines file."""
+    that `keep` passes, each with its file, and full (and the `from_base` methods that
+    `keep` passes) from the baselines sweep of the same samples where the file has none;
+    and that baselines file."""
     base = f.with_name("baselines_" + f.name[len(prefix) + 1:])
     recs = [{**r, "_files": [str(f.relative_to(ROOT))]} for r in report.load_records(f)
             if r["samples"] >= 50 and keep(r)]
-    if base.exists() and "full" not in {r["method"] for r in recs}:
+    need = {"full", *from_base} - {r["method"] for r in recs}
+    if base.exists():
         recs += [{**r, "_files": [str(base.relative_to(ROOT))]}
-                 for r in report.load_records(base) if r["method"] == "full"
-                 and r["samples"] >= 50]
+                 for r in report.load_records(base) if r["method"] in need
+                 and r["samples"] >= 50 and (r["method"] == "full" or keep(r))]
     return recs, base
 
 
@@ -692,6 +695,7 @@ def qwen_baselines() -> str:
     cache solves there (`scripts/sweeps_qwen.sh baselines`): a table and the declared
     comparisons per task whose sweep is complete; a sweep under way says how far it is."""
     blocks = [b for ctx in QWEN_CONTEXTS for b in _qwen_baseline_blocks(ctx)]
+    blocks += qwen_task_kernel("baselines")  # HeadKV at a task's own dev kernel
     going = [g for ctx in QWEN_CONTEXTS for g in _under_way(f"baselines_*_{ctx}.jsonl.batches")]
     # the first length always (the plan's), the others once a sweep at them exists
     at = [c for i, c in enumerate(QWEN_CONTEXTS)
@@ -926,17 +930,18 @@ def _qwen_layer_plot(recs: list[dict], page: str, ctx: int, at, suffix: str = ""
 
 def _qwen_blocks(prefix: str, pairs, at, title: str, section: str, ctx: int = 4096,
                  want=lambda m: {}, plot: str | None = None, folder=None,
-                 later=()) -> list[str]:
+                 later=(), from_base: tuple[str, ...] = ()) -> list[str]:
     """A block per complete `<prefix>_<task>_<ctx>.jsonl` of `scripts/sweeps_qwen.sh
     <section>` in `folder` (QWEN's by default): the table of the methods in `pairs` and the
     declared `pairs` at the budgets `at`, methods with the parameters `want(method)`, and
-    the layer budgets of `plot`'s page (`_qwen_layer_plot`); full from the file, else from
-    the baselines sweep of the same samples; `later` pairs (added to a sweep after it ran)
-    where the file has them. An unfinished sweep says how far it is."""
+    the layer budgets of `plot`'s page (`_qwen_layer_plot`); full (and the `from_base`
+    methods) from the file, else from the baselines sweep of the same samples; `later`
+    pairs (added to a sweep after it ran) where the file has them. An unfinished sweep says
+    how far it is."""
     blocks = []
     for f in sorted((folder or QWEN).glob(f"{prefix}_*_{ctx}.jsonl")):
         recs, _ = _own_and_full(f, prefix, lambda r: all(
-            params(r).get(k) == v for k, v in want(r["method"]).items()))
+            params(r).get(k) == v for k, v in want(r["method"]).items()), from_base)
         have = {r["method"] for r in recs}
         here = [*pairs, *(ab for ab in later if set(ab) <= have)]
         shown = {m for ab in here for m in ab}
@@ -994,7 +999,7 @@ def qwen_more(page: str, ctx: int = 4096) -> list[str]:
         pert = perturbation(QWEN)
         return _qwen_blocks("critical_co", QWEN_CRITICAL_CO_PAIRS, QWEN_CRITICAL_CO_AT,
                             "context-only (CriticalKV's setting)", "critical_co", ctx,
-                            _at_qwen_kernel) + (
+                            _at_qwen_kernel) + qwen_task_kernel(page, ctx) + (
             [f"#### Output perturbation\n\n{pert}"] if pert else [])
     if page == "d2o":
         return _qwen_blocks("d2o", QWEN_D2O_PAIRS, QWEN_D2O_AT,
@@ -1007,8 +1012,30 @@ def qwen_more(page: str, ctx: int = 4096) -> list[str]:
     if page == "lava":
         return _qwen_blocks("lava", QWEN_LAVA_TASK_PAIRS, budgets(ctx),
                             "aggregation (LAVa's claim and its ablations)", "aggregation", ctx,
-                            _at_qwen_kernel, plot="lava")
-    return []
+                            _at_qwen_kernel, plot="lava") + qwen_task_kernel(page, ctx)
+    return qwen_task_kernel(page, ctx)
+
+
+# scripts/sweeps_qwen.sh task_kernel: a task whose own dev samples choose another pooling
+# kernel than niah_multikey_2's, which every other Qwen sweep uses (vt's choose 7: pooling.md):
+# the papers' kernel methods on it again at its own kernel, the same judged samples and
+# comparisons (declared 2026-11-29, before that sweep ran); the SnapKV family at 7 from the
+# baselines sweep of those samples
+QWEN_TASK_KERNEL_PAIRS = {"lava": QWEN_LAVA_TASK_PAIRS,
+                          "criticalkv": QWEN_PAPER_PAIRS["criticalkv"],
+                          "baselines": QWEN_HEADKV}
+
+
+def qwen_task_kernel(page: str, ctx: int = 4096) -> list[str]:
+    """A page's blocks of `scripts/sweeps_qwen.sh task_kernel` (`kernel<k>_<task>_<ctx>`)."""
+    if page not in QWEN_TASK_KERNEL_PAIRS:
+        return []
+    return [b for k in QWEN_KERNELS for b in _qwen_blocks(
+        f"kernel{k}", QWEN_TASK_KERNEL_PAIRS[page], budgets(ctx),
+        f"every method at kernel {k}, the task's own dev choice (pooling.md)", "task_kernel",
+        ctx, lambda m, k=k: {"kernel": k} if m in KERNELED else {},
+        plot="lava" if page == "lava" else None,
+        from_base=("snapkv", "ada_snapkv", "pyramidkv") if k == 7 else ())]
 
 
 # scripts/sweeps_qwen.sh prefill: the methods that run their own prefill, each page's records
@@ -1958,10 +1985,11 @@ def main(argv=None) -> int:
     p.add_argument("--every-method", action="store_true",
                    help="with --slim: also drop per-batch statistics the samples repeat "
                         "and per-sample ones over 512 bytes")
-    p.add_argument("--qwen-kernel", action="store_true",
+    p.add_argument("--qwen-kernel", nargs="?", const="niah_multikey_2", metavar="TASK",
                    help="print SnapKV's pooling kernel for the Qwen claims, chosen on RULER's "
-                        "dev samples (scripts/sweeps_qwen.sh pooling), and exit; exit 2 with "
-                        "the reason before that sweep is complete")
+                        "dev samples of niah_multikey_2 (or of TASK: that task's own choice; "
+                        "scripts/sweeps_qwen.sh pooling), and exit; exit 2 with the reason "
+                        "before that sweep is complete")
     p.add_argument("--qwen-asl", action="store_true",
                    help="print the --set arguments of ASL's reading for the Qwen claims, "
                         "chosen on RULER's dev samples (scripts/sweeps_qwen.sh asl_dev), and "
@@ -1969,8 +1997,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     # a choice made on the dev samples, printed for scripts/sweeps_qwen.sh: (value, why,
     # the section that makes it); None until that section is complete
-    for asked, what, choose, part in ((a.qwen_asl, "ASL reading", qwen_dev_asl, "asl_dev"),
-                                      (a.qwen_kernel, "kernel", qwen_dev_kernel, "pooling")):
+    for asked, what, choose, part in (
+            (a.qwen_asl, "ASL reading", qwen_dev_asl, "asl_dev"),
+            (a.qwen_kernel, "kernel", lambda: qwen_dev_kernel(a.qwen_kernel), "pooling")):
         if asked:
             value, why = choose()[:2]
             if value is None:

@@ -4,8 +4,8 @@
 # docs/results/qwen2.5-coder-0.5b/, resumable: re-run this script (or one line of it) to
 # finish what a stop cut off; commit the records as they come.
 #   nice bash scripts/sweeps_qwen.sh [SECTION [TASKS]]  # SECTION: baselines (default),
-#       pooling, papers, d2o, d2o_ablation, aggregation, critical_co, asl_dev, prefill,
-#       asl_variants, perplexity;
+#       pooling, papers, task_kernel, d2o, d2o_ablation, aggregation, critical_co, asl_dev,
+#       prefill, asl_variants, perplexity;
 #       with MODEL=qwen2.5-coder-1.5b: calibrate, then key;
 #       TASKS: a comma list of the solved tasks to run, in that order (default all;
 #       aggregation: ruler/cwe)
@@ -95,6 +95,13 @@
 #   critical_snapkv / critical_adakv / critical_headkv better than SnapKV / Ada-SnapKV /
 #   HeadKV; HeadKV better than SnapKV and Ada-SnapKV; D2O better than H2O
 #   and StreamingLLM (these two from the baselines sweep, same samples).
+# - task_kernel (declared 2026-11-29, before it ran): vt's own dev samples choose kernel 7
+#   (pooling ruler/vt), where every Qwen sweep ran the kernel methods at niah_multikey_2's 17.
+#   On each task whose own dev choice differs: LAVa, CAKE, the two LAVa ablations, HeadKV and
+#   CriticalKV over SnapKV, Ada-SnapKV and HeadKV again at that kernel, one shared prefill and
+#   16 cells (~70 min alone on vt); the SnapKV family at 7 from the baselines sweep.
+#   Declared (QWEN_TASK_KERNEL_PAIRS): the papers' LAVa, CriticalKV and HeadKV comparisons
+#   as at 17, each a row of its own (Holm over each paper's comparisons grows with them).
 # - d2o: D2O at its paper's own cache shares, 40% and 20% of the prompt (1638 and 819 of
 #   4096), where H2O may leave the floor it sits on at 1/8 (6%): D2O, its authors' code
 #   reading (d2o_code), H2O and StreamingLLM, one shared prefill (~50 min) and 8 cells of
@@ -247,6 +254,20 @@ case "${1:-baselines}" in
       run "papers_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B8,$B16 --method "${M1// /,}" \
         "${SETS[@]}"
     done ;;
+  task_kernel)  # each task whose own dev samples (the pooling section run on it) choose
+    # another kernel than niah_multikey_2's, which the sections above use: the papers' kernel
+    # methods on it again at the task's own kernel (the SnapKV family at 7 is the baselines
+    # sweep's; at another kernel it runs here too)
+    K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
+    for t in ${TASKS//,/ }; do
+      KT=$(python scripts/smollm2_results.py --qwen-kernel "${t#ruler/}" 2>/dev/null) || {
+        echo "$t: no dev pooling sweep of its own (\`pooling $t\`): skipped" >&2; continue; }
+      [ "$KT" = "$K" ] && { echo "$t: its dev samples choose kernel $K too: skipped" >&2; continue; }
+      M=lava,cake,lava_heads_only,lava_layers_only,critical_snapkv,critical_adakv,headkv,critical_headkv
+      [ "$KT" = 7 ] || M=snapkv,ada_snapkv,pyramidkv,$M
+      run "kernel${KT}_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B8,$B16 --method "$M" \
+        --set kernel=$KT
+    done ;;
   d2o)
     for t in ${TASKS//,/ }; do
       run "d2o_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $((CTX * 2 / 5)),$((CTX / 5)) \
@@ -315,5 +336,5 @@ case "${1:-baselines}" in
         --method full,snapkv,ada_snapkv,pyramidkv,h2o,streaming_llm,lava,critical_snapkv,d2o \
         "${SETS[@]}" --set pyramidkv.kernel=7
     done ;;
-  *) echo "unknown section $1: calibrate, baselines, pooling, papers, d2o, d2o_ablation, aggregation, critical_co, asl_dev, prefill, asl_variants, perplexity or key" >&2; exit 2 ;;
+  *) echo "unknown section $1: calibrate, baselines, pooling, papers, task_kernel, d2o, d2o_ablation, aggregation, critical_co, asl_dev, prefill, asl_variants, perplexity or key" >&2; exit 2 ;;
 esac
