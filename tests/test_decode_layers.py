@@ -12,6 +12,7 @@ import pytest
 import kvjax
 from kvjax import engine, methods
 from kvjax.compression import cache as kvcache
+from kvjax.engine import steps
 from kvjax.pallas.dispatch import Kernels
 
 # in the fast suite: the plain step (full, SnapKV; full also context-only); every other case,
@@ -154,6 +155,11 @@ def test_unrolled_decode_gives_the_tokens_of_one_step_an_iteration(setup, layout
     got = run(3, stops)
     assert got.stats["kernels"]["decode_unroll"] == "3"
     assert got.tokens == one.tokens
+    # the steps tpot_s divides by are those the loop ran: each appended an entry (dead
+    # ones after every element stopped), so the cache's end counts them
+    s = one.stats["steps_run"]
+    assert got.stats["steps_run"] == s
+    assert int(got.cache.end) - int(one.cache.end) == steps.steps_executed(s, 3, 7) - s
     live = np.asarray(one.cache.valid)
     np.testing.assert_array_equal(np.asarray(got.cache.valid), live)
     for f in ("k", "v", "pos"):
@@ -164,6 +170,14 @@ def test_unrolled_decode_gives_the_tokens_of_one_step_an_iteration(setup, layout
     hooked = run(3, stops, _method("h2o"))
     assert "decode_unroll" not in hooked.stats["kernels"]
     assert hooked.tokens == run(1, stops, _method("h2o")).tokens
+
+
+def test_steps_executed_counts_the_dead_steps_of_the_last_iteration():
+    # (steps k = 1 needs, k, max_new) -> steps the unrolled loop runs
+    cases = {(5, 3, 7): 6, (3, 3, 7): 3, (7, 3, 7): 7, (6, 4, 7): 6, (1, 4, 8): 4,
+             (8, 4, 8): 8, (2, 1, 9): 2}
+    for (s, k, m), want in cases.items():
+        assert steps.steps_executed(s, k, m) == want, (s, k, m)
 
 
 def test_a_bad_unroll_is_refused():

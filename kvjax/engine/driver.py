@@ -285,6 +285,10 @@ def run(
             seed, clock, first)
     out, n = distributed.to_host(out)[:B], distributed.to_host(n)[:B]
     steps_run = min(int(n.max()) + 1, max_new_tokens) if max_new_tokens else 0
+    # the steps decode_s timed: with k steps a loop iteration, up to k - 1 after every
+    # element stopped (a host-loop decode steps one at a time)
+    k = 1 if later.steps_on_host() else steps.unroll(later, first, clock.config)
+    ran = steps.steps_executed(steps_run, k, max_new_tokens)
     stats = {
         **{k: _real_stat(v, B, padded) for k, v in stats.items()},
         **{k: _real_decode_stat(v, B, padded) for k, v in decode_stats.items()},
@@ -296,8 +300,10 @@ def run(
         "kv_bytes_live_end": live_bytes(cache)["kv_bytes_live"] if max_new_tokens > 0 else None,
         "ttft_s": clock.ttft_s,
         "ttft_own_s": own_s if prefilled is not None else None,
-        "tpot_s": clock.decode_s / steps_run if steps_run else None,
-        "steps_run": steps_run,  # the steps tpot_s is a mean over (the batch's longest)
+        "tpot_s": clock.decode_s / ran if steps_run else None,
+        # the steps the batch's longest element needed; tpot_s is a mean over the steps
+        # run, which with `Kernels.decode_unroll` may be up to k - 1 more
+        "steps_run": steps_run,
         "compile_s": clock.compile_s,
         "prompt_tokens": prompt_tokens,
         "kernels": _kernels_used(clock.kernels),

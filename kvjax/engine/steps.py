@@ -256,13 +256,25 @@ def _decode_layout(method: Method, first: Method | None, kernels: Kernels, param
     return "scan"
 
 
-def _unroll(method: Method, first: Method | None, kernels: Kernels) -> int:
+def unroll(method: Method, first: Method | None, kernels: Kernels) -> int:
     """`Kernels.decode_unroll` where the step is plain (a hook method's state and
     statistics would see the steps run after every element stopped), else 1."""
-    k = kernels.decode_unroll if first is None and method.plain_decode() else 1
+    return kernels.decode_unroll if first is None and method.plain_decode() else 1
+
+
+def _unroll(method: Method, first: Method | None, kernels: Kernels) -> int:
+    k = unroll(method, first, kernels)
     if k > 1:
         note("decode_unroll", str(k))
     return k
+
+
+def steps_executed(steps_run: int, k: int, max_new: int) -> int:
+    """The steps `decode` runs with k steps an iteration for a generation whose longest
+    element needed `steps_run` (k = 1's count): the iteration holding the last live step
+    runs to its end (dead steps after every element stopped), while k more fit in
+    `max_new`; the single-step loop after it stops at once."""
+    return max(steps_run, min(-(-steps_run // k), max_new // k) * k)
 
 
 def _extend_layered(params, layers, cache, tokens_BT, valid_BT, cfg: ModelConfig,
