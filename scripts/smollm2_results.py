@@ -743,11 +743,14 @@ def _qwen_baseline_blocks(ctx: int) -> list[str]:
             f"plain prompts, {ctx} tokens, question-aware, "
             f"seed {recs[0]['seed']}; {report.model_line(recs)}. Full cache: {fmt(full)}. Records: `{rel}` "
             f"({_minutes_text(recs, 'on 2 cores by their own clocks')})"
-            + "".join(f"; beside the papers' methods: `{g.relative_to(ROOT)}`"
-                      for g in beside if any(str(g.relative_to(ROOT)) in r["_files"]
-                                             for r in recs))
+            + "".join(f"; beside the papers' methods: " + " and ".join(used)
+                      for used in [[f"`{g.relative_to(ROOT)}`" for g in beside
+                                    if any(str(g.relative_to(ROOT)) in r["_files"]
+                                           for r in recs)]] if used)
             + f"; the declared comparisons read the SnapKV family at kernel "
-              f"{_baseline_kernel(ctx)}.\n\n"
+              f"{_baseline_kernel(ctx)}"
+            + (f" (HeadKV's, both sides at {qwen_dev_kernel()[0]}, as the papers sweep ran it)"
+               if qwen_dev_kernel()[0] != _baseline_kernel(ctx) else "") + ".\n\n"
             + table(recs) + "\n\n" + claims(recs, _qwen_pairs(ctx), budgets(ctx)))
     return blocks
 
@@ -803,8 +806,10 @@ def qwen_poolings(ctx: int = 4096) -> str:
     tasks = {f.name.split("_", 3)[3].rsplit("_", 1)[0]
              for f in QWEN.glob(f"dev_pool_k*_{ctx}.jsonl*")} - {"niah_multikey_2"}
     return "\n\n".join([qwen_pooling(ctx=ctx)] + [
-        f"### ruler/{t}'s own dev samples\n\nThe claims on {t} use the kernel chosen above "
-        f"(on niah_multikey_2); this says which kernel {t}'s dev samples would choose.\n\n"
+        f"### ruler/{t}'s own dev samples\n\nEvery Qwen sweep runs the kernel chosen above "
+        f"(on niah_multikey_2); this says which kernel {t}'s own dev samples choose (where it "
+        f"differs, `scripts/sweeps_qwen.sh task_kernel` runs {t}'s kernel methods again at "
+        "it).\n\n"
         + qwen_pooling(t, ctx) for t in sorted(tasks)])
 
 
@@ -887,11 +892,14 @@ def _qwen_paper_blocks(page: str, ctx: int) -> list[str]:
         # Full from there too: the same comparison of LAVa with full is then one registry
         # row on both blocks (a row's records name one full record: `claims.find`)
         agg = f.with_name(f.name.replace("papers_", "lava_", 1))
+        if agg.exists() and page == "lava":
+            continue  # the aggregation block (qwen_more) shows LAVa's comparisons there
         if agg.exists():
-            here = {r["method"] for r in recs if r["_files"][0] == str(f.relative_to(ROOT))}
-            recs = [r for r in recs if r["method"] != "full"] + [
-                {**r, "_files": [str(agg.relative_to(ROOT))]} for r in report.load_records(agg)
-                if r["samples"] >= 50 and r["method"] not in here]
+            recs = [r for r in recs if r["method"] != "full"]
+            here = {(r["method"], params(r).get("kernel")) for r in recs}
+            recs += [{**r, "_files": [str(agg.relative_to(ROOT))]}
+                     for r in report.load_records(agg) if r["samples"] >= 50
+                     and (r["method"], params(r).get("kernel")) not in here]
         if k is None or not {"full", "lava", "d2o"} <= {r["method"] for r in recs}:
             continue
         mine = [r for r in recs if r["method"] in shown
@@ -1035,7 +1043,7 @@ def qwen_task_kernel(page: str, ctx: int = 4096) -> list[str]:
         f"every method at kernel {k}, the task's own dev choice (pooling.md)", "task_kernel",
         ctx, lambda m, k=k: {"kernel": k} if m in KERNELED else {},
         plot="lava" if page == "lava" else None,
-        from_base=("snapkv", "ada_snapkv", "pyramidkv") if k == 7 else ())]
+        from_base=("snapkv", "ada_snapkv", "pyramidkv") if k == _baseline_kernel(ctx) else ())]
 
 
 # scripts/sweeps_qwen.sh prefill: the methods that run their own prefill, each page's records

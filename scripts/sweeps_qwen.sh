@@ -191,7 +191,7 @@ run() {  # file, then arguments; the records (or a stopped sweep's batches) slim
   if [ -e "$f" ] || [ -e "$f.batches" ]; then $R "$@" --output "$f" --resume; else $R "$@" --output "$f"; fi
   # LazyLLM's per-token kept sets (up to 30 KB a sample) say nothing the pages read
   # nor D2O's per-sample thresholds (tau0: 8 KB a batch on vt) nor LAVa's layer weights
-  local every=(); case $f in */prefill_slim_*|*/d2o_*|*/papers_*) every=(--every-method) ;; esac
+  local every=(); case $f in */prefill_slim_*|*/d2o_*|*/papers_*|*/kernel*_*|*/lava_*) every=(--every-method) ;; esac
   for g in "$f" "$f.batches"; do
     [ -e "$g" ] && python scripts/smollm2_results.py "${every[@]}" --slim "$g"
   done
@@ -260,11 +260,12 @@ case "${1:-baselines}" in
     # sweep's; at another kernel it runs here too)
     K=$(python scripts/smollm2_results.py --qwen-kernel) || exit 2
     for t in ${TASKS//,/ }; do
-      KT=$(python scripts/smollm2_results.py --qwen-kernel "${t#ruler/}" 2>/dev/null) || {
-        echo "$t: no dev pooling sweep of its own (\`pooling $t\`): skipped" >&2; continue; }
+      KT=$(python scripts/smollm2_results.py --qwen-kernel "${t#ruler/}") || {
+        echo "$t: skipped (no kernel of its own: \`pooling $t\` first)" >&2; continue; }
       [ "$KT" = "$K" ] && { echo "$t: its dev samples choose kernel $K too: skipped" >&2; continue; }
       M=lava,cake,lava_heads_only,lava_layers_only,critical_snapkv,critical_adakv,headkv,critical_headkv
-      [ "$KT" = 7 ] || M=snapkv,ada_snapkv,pyramidkv,$M
+      # the baselines sweep ran the SnapKV family at 7 at 4096 only
+      [ "$KT" = 7 ] && [ "$CTX" = 4096 ] || M=snapkv,ada_snapkv,pyramidkv,$M
       run "kernel${KT}_${t#ruler/}_$CTX.jsonl" --task "$t" --budget $B8,$B16 --method "$M" \
         --set kernel=$KT
     done ;;
