@@ -600,21 +600,34 @@ def _resumes(going: list[str], section: str, env: str = "") -> str:
     return f"{'; '.join(going)} (`{env}nice bash scripts/sweeps_qwen.sh {section}` resumes it)."
 
 
+def _cell(r: dict) -> tuple:
+    """What makes two records of the same samples the same cell."""
+    return r["method"], r["budget"], r["scenario"], params(r).get("kernel")
+
+
+def _joined(sources) -> list[dict]:
+    """The complete cells (n >= 50) of records files of the same samples, each with its
+    file: `sources` are (path, keep) in order of precedence, and a cell an earlier file has
+    (`_cell`) is not taken again from a later one; a file that does not exist gives none."""
+    recs, seen = [], set()
+    for path, keep in sources:
+        if path.exists():
+            rel = str(path.relative_to(ROOT))
+            mine = [{**r, "_files": [rel]} for r in report.load_records(path)
+                    if r["samples"] >= 50 and keep(r) and _cell(r) not in seen]
+            recs += mine
+            seen |= {_cell(r) for r in mine}
+    return recs
+
+
 def _own_and_full(f, prefix: str, keep=lambda r: True,
                   from_base: tuple[str, ...] = ()) -> tuple[list[dict], object]:
-    """The complete cells (n >= 50) of a Qwen sweep's records `<prefix>_<task>_<ctx>.jsonl`
-    that `keep` passes, each with its file, and full (and the `from_base` methods that
-    `keep` passes) from the baselines sweep of the same samples where the file has none;
-    and that baselines file."""
+    """The complete cells of a Qwen sweep's records `<prefix>_<task>_<ctx>.jsonl` that
+    `keep` passes, and full (and the `from_base` methods that `keep` passes) from the
+    baselines sweep of the same samples where the file has none; and that baselines file."""
     base = f.with_name("baselines_" + f.name[len(prefix) + 1:])
-    recs = [{**r, "_files": [str(f.relative_to(ROOT))]} for r in report.load_records(f)
-            if r["samples"] >= 50 and keep(r)]
-    need = {"full", *from_base} - {r["method"] for r in recs}
-    if base.exists():
-        recs += [{**r, "_files": [str(base.relative_to(ROOT))]}
-                 for r in report.load_records(base) if r["method"] in need
-                 and r["samples"] >= 50 and (r["method"] == "full" or keep(r))]
-    return recs, base
+    return _joined([(f, keep), (base, lambda r: r["method"] == "full" or (
+        r["method"] in from_base and keep(r)))]), base
 
 
 # Qwen2.5-Coder-1.5B (`MODEL=qwen2.5-coder-1.5b bash scripts/sweeps_qwen.sh key`): each
@@ -719,20 +732,17 @@ def _qwen_baseline_blocks(ctx: int) -> list[str]:
     blocks = []
     for f in sorted(QWEN.glob(f"baselines_*_{ctx}.jsonl")):
         rel = str(f.relative_to(ROOT))
-        recs = [{**r, "_files": [rel]} for r in report.load_records(f) if r["samples"] >= 50]
-        if not {"full", "snapkv"} <= {r["method"] for r in recs}:
+        if not {"full", "snapkv"} <= {r["method"] for r in _joined([(f, lambda r: True)])}:
             continue
         # the baselines measured beside the papers' methods on the same samples (the papers
         # sweep, LAVa's aggregation sweep): ObservedAttention, HeadKV, the SnapKV family at
         # the dev-chosen kernel
         beside = [g for g in (f.with_name(f.name.replace("baselines_", side, 1))
                               for side in ("papers_", "lava_")) if g.exists()]
-        for g in beside:
-            recs += [{**r, "_files": [str(g.relative_to(ROOT))]}
-                     for r in report.load_records(g) if r["samples"] >= 50
-                     and (r["method"] in ("observed_attention", "headkv") or (
-                         r["method"] in ("snapkv", "ada_snapkv")
-                         and params(r).get("kernel") != 7))]
+        recs = _joined([(f, lambda r: True)] + [(g, lambda r: r["method"] in (
+            "observed_attention", "headkv") or (r["method"] in ("snapkv", "ada_snapkv")
+                                                and params(r).get("kernel") != 7))
+            for g in beside])
         task = recs[0]["task"]
         full = scored(find(recs, "full"))
         skip = recs[0].get("ruler_skip", 0)
@@ -885,8 +895,6 @@ def _qwen_paper_blocks(page: str, ctx: int) -> list[str]:
     blocks = []
     for f in sorted(QWEN.glob(f"papers_*_{ctx}.jsonl")):
         base = f.with_name(f.name.replace("papers_", "baselines_", 1))
-        recs = [{**r, "_files": [str(g.relative_to(ROOT))]} for g in (f, base) if g.exists()
-                for r in report.load_records(g) if r["samples"] >= 50]
         # where the aggregation sweep ran this task (same samples), LAVa, CAKE and the
         # SnapKV family at the chosen kernel are its cells: the papers sweep skips them.
         # Full from there too: the same comparison of LAVa with full is then one registry
@@ -894,12 +902,7 @@ def _qwen_paper_blocks(page: str, ctx: int) -> list[str]:
         agg = f.with_name(f.name.replace("papers_", "lava_", 1))
         if agg.exists() and page == "lava":
             continue  # the aggregation block (qwen_more) shows LAVa's comparisons there
-        if agg.exists():
-            recs = [r for r in recs if r["method"] != "full"]
-            here = {(r["method"], params(r).get("kernel")) for r in recs}
-            recs += [{**r, "_files": [str(agg.relative_to(ROOT))]}
-                     for r in report.load_records(agg) if r["samples"] >= 50
-                     and (r["method"], params(r).get("kernel")) not in here]
+        recs = _joined([(g, lambda r: True) for g in (f, agg, base)])
         if k is None or not {"full", "lava", "d2o"} <= {r["method"] for r in recs}:
             continue
         mine = [r for r in recs if r["method"] in shown
