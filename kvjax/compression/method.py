@@ -261,3 +261,14 @@ class Method:
         return (self.static_after_prefill() and self.extension_phases() is None
                 and all(getattr(cls, h) is getattr(Method, h)
                         for h in ("revival", "revived", "after_step", "after_layers")))
+
+    def layered_hooks(self) -> bool:
+        """True when a decode step with this method's hooks may also run over per-layer
+        buffers (`Kernels.decode_layers`): its hooks read one layer's cache at a time
+        (`decode_layer`; `decode_slots` reads only the cache's `valid`) and none recomputes
+        rows or runs between layers (`revival`, `after_layers`, a host loop). There
+        `after_step` is given no cache (None): a method whose `after_step` reads the cache
+        answers False."""
+        cls = type(self)
+        return not self.steps_on_host() and all(
+            getattr(cls, h) is getattr(Method, h) for h in ("revival", "revived", "after_layers"))

@@ -137,6 +137,9 @@ class Wrapper(Method):
     def plain_decode(self) -> bool:
         return self.base.plain_decode()
 
+    def layered_hooks(self) -> bool:
+        return self.base.layered_hooks()
+
     # ---- the token-selection and block-pruning prefills' hooks (`protocols`) -----------
     # (forwarded by name, not by __getattr__: `hasattr(wrapper, field)` must stay False
     # for the base's fields, which code that rebuilds a method reads as "mine")

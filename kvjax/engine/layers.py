@@ -203,23 +203,39 @@ def extend_per_layer(
     valid_BT: Bool[Array, "B T"],
     kvs: tuple[LayerKV, ...],
     pos_BT: Int[Array, "B T"],
-    start: Int[Array, ""],
+    slot_LBKT: Int[Array, "L B K T"] | Int[Array, ""],
     kernels: Kernels = Kernels(),
+    method=None,
+    state: Any = None,
 ):
-    """`extend_layers` of a plain decode step (`Method.plain_decode`) over per-layer
-    buffers: `layers` each layer's weights (`transformer.per_layer`), `kvs` each layer's
-    entries [B, K, C, ...] (`kvjax.compression.cache.split_layers`); the T new entries are
-    appended at slot `start`. A Python loop, as jax-llm-examples decodes: every layer reads
-    its own weights and KV where they lie, where the scan's slices of stacked arrays are
-    copies on a GPU (`kvjax.bench.decode_layout`). Returns (x [B, T, D], the new kvs)."""
+    """`extend_layers` of a decode step over per-layer buffers: `layers` each layer's
+    weights (`transformer.per_layer`), `kvs` each layer's entries [B, K, C, ...]
+    (`kvjax.compression.cache.split_layers`); the T new entries are written at
+    `slot_LBKT` (a scalar: appended there). A Python loop, as jax-llm-examples decodes:
+    every layer reads its own weights and KV where they lie, where the scan's slices of
+    stacked arrays are copies on a GPU (`kvjax.bench.decode_layout`). `method`: its
+    `decode_layer` hook after each layer's attention (`Method.layered_hooks`), with the
+    layer number a constant. Returns (x [B, T, D], the new kvs, the state)."""
     x, out = x_BTD, []
+    hook = method.decode_layer if method is not None and method.uses_decode_layer() else None
     for layer, (p, kv) in enumerate(zip(layers, kvs)):
         q, k, v = transformer.qkv(p, cfg, x, pos_BT)
         # in place, except at batch 1 on CPU (jax 0.10), where XLA fuses a second copy of
         # the append into the attention and copies the layer's K and V to feed both
         # (`kvjax.bench.decode_hlo`; an optimization barrier does not stop it)
-        kv = write(kv, None, k, v, pos_BT, valid_BT, start)
+        kv = write(kv, None, k, v, pos_BT, valid_BT,
+                   slot_LBKT if jnp.ndim(slot_LBKT) == 0 else slot_LBKT[layer])
         ok = attention.mask(pos_BT, kv.pos, kv.valid, transformer.layer_window(cfg, layer))
-        x = transformer.finish_layer(p, cfg, x, attend_cached(q, kv.k, kv.v, ok, kernels))
-        out.append(kv)
-    return x, tuple(out)
+        if hook is None:
+            x = transformer.finish_layer(p, cfg, x, attend_cached(q, kv.k, kv.v, ok, kernels))
+            out.append(kv)
+            continue
+        o, probs = attention.attend(q, kv.k, kv.v, ok, return_probs=True)
+        x = transformer.finish_layer(p, cfg, x, o)
+        io = LayerIO(jnp.int32(layer), q, kv.k, kv.v, kv.pos, kv.valid, pos_BT, o, x, valid_BT,
+                     None, cfg, kernels)
+        new, state = hook(io, probs, state)
+        # a layer's own buffers: its rows scatter in place at once (the scan defers them)
+        out.append(LayerKV(*(set_rows(a, (), n.idx, n.new) if isinstance(n, Rows) else n
+                             for a, n in zip(kv, (new.k, new.v, new.pos, new.valid)))))
+    return x, tuple(out), state

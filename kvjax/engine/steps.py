@@ -212,8 +212,8 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
         out = out.at[:, step].set(tok)
         n = n + (live & ~stopped)
         if layered:
-            logits, cache = _extend_layered(params, layers, cache, tok[:, None], live[:, None],
-                                            cfg, kernels)
+            logits, cache, st = _extend_layered(params, layers, cache, tok[:, None],
+                                                live[:, None], cfg, m, st, kernels)
         else:
             logits, cache, st = _extend(params, cache, tok[:, None], live[:, None], cfg, m, st,
                                         kernels)
@@ -243,11 +243,11 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
 
 
 def _decode_layout(method: Method, first: Method | None, kernels: Kernels, params) -> str:
-    """The decode loop's layout (`Kernels.decode_layers`): per-layer buffers only for a
-    plain decode step (no hook could reach a stacked cache), recorded as used. `auto`
-    loops over layers where the weights are stored per layer (the scan would stack them:
-    a copy a generation), else as `Kernels.decode_layout` says."""
-    if first is None and method.plain_decode():
+    """The decode loop's layout (`Kernels.decode_layers`): per-layer buffers where every
+    hook of the step reads one layer at a time (`Method.layered_hooks`), recorded as used.
+    `auto` loops over layers where the weights are stored per layer (the scan would stack
+    them: a copy a generation), else as `Kernels.decode_layout` says."""
+    if (first is None or first.layered_hooks()) and method.layered_hooks():
         if kernels.decode_layers == "auto" and transformer.layer_storage(params) == "per_layer":
             note("decode_layers", "per_layer")
             return "per_layer"
@@ -278,15 +278,22 @@ def steps_executed(steps_run: int, k: int, max_new: int) -> int:
 
 
 def _extend_layered(params, layers, cache, tokens_BT, valid_BT, cfg: ModelConfig,
-                    kernels: Kernels):
-    """`_extend` of a plain step over per-layer buffers: cache = (kvs, end, next_pos)."""
+                    method: Method, state, kernels: Kernels):
+    """`_extend` over per-layer buffers (`Method.layered_hooks`): cache = (kvs, end,
+    next_pos). The method's slots read a stacked view of the layers' `valid` alone (a
+    small copy a step: L x B x K x C booleans); `after_step` gets no cache."""
     kvs, end, next_pos = cache
+    T = tokens_BT.shape[1]
     pos_BT = positions(valid_BT, next_pos)
-    x, kvs = extend_per_layer(layers, cfg, params["embed"][tokens_BT], valid_BT, kvs, pos_BT,
-                              end, kernels)
-    cache = (kvs, end + tokens_BT.shape[1],
-             next_pos + jnp.sum(valid_BT, axis=1, dtype=jnp.int32))
-    return transformer.unembed(params, cfg, x[:, -1]), cache
+    # (unused, as for a plain step, XLA drops the stack)
+    valid = kvcache.LayerKV(None, None, None, jnp.stack([kv.valid for kv in kvs]))
+    slots = method.decode_slots(kvcache.KVCache.of(valid, end, next_pos), state, T)
+    x, kvs, state = extend_per_layer(layers, cfg, params["embed"][tokens_BT], valid_BT, kvs,
+                                     pos_BT, end if slots is None else slots, kernels, method,
+                                     state)
+    cache = (kvs, end + T, next_pos + jnp.sum(valid_BT, axis=1, dtype=jnp.int32))
+    state = method.after_layers(cfg, None, state, cfg.num_layers)
+    return transformer.unembed(params, cfg, x[:, -1]), cache, state
 
 
 @partial(jax.jit, static_argnames=("cfg", "method", "span", "sampling", "stop_ids", "kernels"),

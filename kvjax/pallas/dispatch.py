@@ -33,8 +33,10 @@ PREFILL_ATTENTION = ("auto", "xla", "blocked", "cudnn", "fused_xla")
 # (compile time flat in depth); "per_layer" = a Python loop over per-layer buffers, split
 # once per generation, so a step reads each layer's weights and KV where they lie (the scan
 # copies each layer's slice out of the stacked arrays every step: docs/results/gpu_targets.md;
-# `kvjax.bench.decode_layout`: 33% -> 83% of the memory bound on an H100). Only for methods
-# whose decode step is the plain model's (`Method.plain_decode`); the others keep the scan.
+# `kvjax.bench.decode_layout`: 33% -> 83% of the memory bound on an H100). For methods
+# whose step hooks read one layer at a time (`Method.layered_hooks`: the plain step, and
+# the evicting and merging ones); SlimInfer's and LazyLLM's (revival, a host loop) keep the
+# scan.
 # `auto` is the scan everywhere: on an H200 (2026-11-28, docs/results/gpu.md run 4) the
 # per-layer loop ran the full cache at 50-56% of the bound at batch 1 (scan 39-41%) but at
 # 11% at 8k batch 8 (scan 40%); on an H100 (runs 5-7) the 32-layer loop ran out of memory
