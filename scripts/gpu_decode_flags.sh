@@ -14,10 +14,12 @@
 # On CPU, a try-out: SMALL=1 OUT=/tmp/out bash scripts/gpu_decode_flags.sh
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=.
 CASES=8192x8:per_layer,8192x8:scan; UNROLLED=8192x8:per_layer/4; N=8192; S=""; L=16
-SLIM=8192x1:scan:full,8192x1:scan:sliminfer
+# and (after it, in the same process) H2O's step, a decode hook, in the scan and over
+# per-layer buffers (`Method.layered_hooks`)
+SLIM=8192x1:scan:full,8192x1:scan:sliminfer,8192x1:scan:h2o,8192x1:per_layer:h2o
 if [ -n "$SMALL" ]; then CASES=512x2:per_layer,512x2:scan; UNROLLED=512x2:per_layer/4
   N=512; S=--small; L=4
-  SLIM=512x1:scan:full,512x1:scan:sliminfer; fi
+  SLIM=512x1:scan:full,512x1:scan:sliminfer,512x1:scan:h2o,512x1:per_layer:h2o; fi
 mkdir -p "$OUT"
 cp docs/results/gpu.jsonl docs/results/gpu.md $OUT/
 # first, the one-step probe: may the loop read static slices of the stacked arrays (no
