@@ -871,15 +871,17 @@ def qwen_papers(page: str) -> str | None:
     the baselines sweep of the same task, at each context; None before any papers sweep is
     complete."""
     blocks = [b for ctx in QWEN_CONTEXTS for b in _qwen_paper_blocks(page, ctx)]
-    going = [g for ctx in QWEN_CONTEXTS for g in _under_way(f"papers_*_{ctx}.jsonl.batches")]
+    going = " ".join(
+        _resumes(g, "papers ruler/niah_multikey_2",
+                 "" if ctx == QWEN_CONTEXTS[0] else f"CTX={ctx} BATCH=8 ")
+        for ctx in QWEN_CONTEXTS for g in [_under_way(f"papers_*_{ctx}.jsonl.batches")] if g)
     more = qwen_more(page)
     if not blocks:
-        return ("Not measured yet: " + _resumes(going, "papers ruler/niah_multikey_2")
-                if going else None)
+        return "Not measured yet: " + going if going else None
     return ("The papers' methods on the RULER tasks Qwen2.5-Coder-0.5B's full cache solves, "
             "at 1/8 and 1/16 of the context, rendered by `python "
             "scripts/smollm2_results.py` from `scripts/sweeps_qwen.sh papers`."
-            + (" Sweeps not finished: " + "; ".join(going) + "." if going else "") + "\n\n"
+            + (" Not finished: " + going if going else "") + "\n\n"
             + "\n\n".join(blocks + more))
 
 
