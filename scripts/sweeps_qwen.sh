@@ -31,7 +31,7 @@
 #     too much for 24 GB (the OOM killer took one, 2026-11-29): one sweep beside the suite;
 #   8192: papers on niah_multikey_2 under way 2026-11-29 (`CTX=8192 BATCH=8 nice bash
 #     scripts/sweeps_qwen.sh papers ruler/niah_multikey_2`: 8 methods x 2 budgets, the SnapKV
-#     family from the baselines sweep at the same kernel; 4 of 7 batches at the stop, ~17 min
+#     family from the baselines sweep at the same kernel; 5 of 7 batches at the stop, ~17 min
 #     a batch beside the test suite, ~14.1 GB RSS: nothing but the suite fits beside it;
 #     resumable);
 #     baselines on niah_multikey_2 done 2026-11-29
