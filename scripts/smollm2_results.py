@@ -732,8 +732,6 @@ def _qwen_baseline_blocks(ctx: int) -> list[str]:
     blocks = []
     for f in sorted(QWEN.glob(f"baselines_*_{ctx}.jsonl")):
         rel = str(f.relative_to(ROOT))
-        if not {"full", "snapkv"} <= {r["method"] for r in _joined([(f, lambda r: True)])}:
-            continue
         # the baselines measured beside the papers' methods on the same samples (the papers
         # sweep, LAVa's aggregation sweep): ObservedAttention, HeadKV, the SnapKV family at
         # the dev-chosen kernel
@@ -743,6 +741,8 @@ def _qwen_baseline_blocks(ctx: int) -> list[str]:
             "observed_attention", "headkv") or (r["method"] in ("snapkv", "ada_snapkv")
                                                 and params(r).get("kernel") != 7))
             for g in beside])
+        if not {"full", "snapkv"} <= {r["method"] for r in recs if r["_files"] == [rel]}:
+            continue
         task = recs[0]["task"]
         full = scored(find(recs, "full"))
         skip = recs[0].get("ruler_skip", 0)
