@@ -12,7 +12,6 @@ import pytest
 import kvjax
 from kvjax import engine, methods
 from kvjax.compression import cache as kvcache
-from kvjax.engine import steps
 from kvjax.pallas.dispatch import Kernels
 
 # in the fast suite: the plain step (full, SnapKV; full also context-only), an evicting hook
@@ -167,11 +166,7 @@ def test_unrolled_decode_gives_the_tokens_of_one_step_an_iteration(setup, layout
     got = run(3, stops)
     assert got.stats["kernels"]["decode_unroll"] == "3"
     assert got.tokens == one.tokens
-    # the steps tpot_s divides by are those the loop ran: each appended an entry (dead
-    # ones after every element stopped), so the cache's end counts them
-    s = one.stats["steps_run"]
-    assert got.stats["steps_run"] == s
-    assert int(got.cache.end) - int(one.cache.end) == steps.steps_executed(s, 3, 7) - s
+    assert got.stats["steps_run"] == one.stats["steps_run"]
     live = np.asarray(one.cache.valid)
     np.testing.assert_array_equal(np.asarray(got.cache.valid), live)
     for f in ("k", "v", "pos"):
@@ -184,12 +179,37 @@ def test_unrolled_decode_gives_the_tokens_of_one_step_an_iteration(setup, layout
     assert hooked.tokens == run(1, stops, _method("h2o")).tokens
 
 
-def test_steps_executed_counts_the_dead_steps_of_the_last_iteration():
-    # (steps k = 1 needs, k, max_new) -> steps the unrolled loop runs
-    cases = {(5, 3, 7): 6, (3, 3, 7): 3, (7, 3, 7): 7, (6, 4, 7): 6, (1, 4, 8): 4,
-             (8, 4, 8): 8, (2, 1, 9): 2}
-    for (s, k, m), want in cases.items():
-        assert steps.steps_executed(s, k, m) == want, (s, k, m)
+@pytest.mark.parametrize("method", ["full", "h2o"])
+def test_decode_returns_the_steps_its_loop_ran(setup, method):
+    """What tpot_s divides by: the loop's own step count. Every step appends an entry (dead
+    ones after every element stopped), so the cache's end counts them too; k = 3 plain
+    steps an iteration run the last iteration to its end while 3 more fit in max_new,
+    then single steps; a hook method steps one at a time."""
+    model, prompts, _ = setup
+    params, cfg, m = model.params, model.cfg, _method(method)
+    T = engine.bucket(max(map(len, prompts)))
+    tok, val = engine.pad_left(prompts, T, cfg.pad_token_id)
+    cap = m.decode_capacity(m.cache_slots(T, cfg), 0, 7)
+
+    def run(k, stops=()):
+        logits, cache, state, _ = engine.prefill(params, tok, val, cfg=cfg, method=m,
+                                                 capacity=cap)
+        end = int(cache.end)
+        out, n, cache, _, ran = engine.decode(
+            params, cache, logits, jax.random.PRNGKey(0), state, cfg=cfg, method=m,
+            max_new=7, sampling=engine.Sampling(), stop_ids=stops,
+            kernels=Kernels(decode_unroll=k))
+        assert int(ran) == int(cache.end) - end
+        return np.asarray(out), int(n.max()), int(ran)
+
+    free, _, ran = run(1)
+    assert ran == 7
+    stops = (int(free[0, 2]), int(free[1, 4]))  # inside the generation, 7 not a multiple of 3
+    _, longest, one = run(1, stops)
+    assert one == longest + 1 < 7  # the step that sampled the last stop token ends the loop
+    want = -(-one // 3) * 3 if method == "full" and -(-one // 3) * 3 <= 6 else one
+    assert run(3, stops)[2] == want
+
 
 
 def test_a_bad_unroll_is_refused():

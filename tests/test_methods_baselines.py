@@ -250,9 +250,10 @@ def test_decode_eviction_keeps_budget_every_step(params, name, scenario):
         if name == "h2o":  # the recent window is live, scores of dead slots are zero
             assert np.all(np.asarray(state)[~valid] == 0)
     cache0, state0, logits0 = start
-    out, n, cache_loop, _ = engine.decode(params, cache0, logits0, jax.random.PRNGKey(0),
-                                          state0, cfg=CFG, method=m, max_new=steps,
-                                          sampling=engine.Sampling(), stop_ids=())
+    out, n, cache_loop, _, ran = engine.decode(params, cache0, logits0, jax.random.PRNGKey(0),
+                                               state0, cfg=CFG, method=m, max_new=steps,
+                                               sampling=engine.Sampling(), stop_ids=())
+    assert int(ran) == steps
     assert np.asarray(out).T.tolist() == [t.tolist() for t in toks]
     assert _kept(cache_loop) == _kept(cache)
 

@@ -143,23 +143,25 @@ def _question(params, cfg, questions, Tq, method, cache, state, sharding, clock)
 
 def _decode(params, cfg, cache, logits, state, method, max_new, sampling, stop_ids, seed, clock,
             first=None):
-    """(tokens [B, max_new], counts [B], cache, state, the method's decode stats)."""
+    """(tokens [B, max_new], counts [B], cache, state, the method's decode stats, the
+    steps the loop ran)."""
     rng = jax.random.PRNGKey(seed)
     if method.steps_on_host():
         if first is not None:
             raise ValueError(f"{method.name}: a host-loop decode takes no first-step phase")
-        out, n, cache, state, host, c, used, secs = steps.host_decode(
+        out, n, cache, state, host, c, used, secs, ran = steps.host_decode(
             params, cfg, cache, logits, rng, state, method=method, max_new=max_new,
             sampling=sampling, stop_ids=stop_ids, kernels=clock.config)
         clock.compile_s += c
         clock.kernels |= used
         clock.decode_s += secs
-        return out, n, cache, host, method.decode_stats(host, state)
+        return out, n, cache, host, method.decode_stats(host, state), ran
     dec = clock.compiled(steps.decode, (params, cache, logits, rng, state), cfg=cfg,
                          method=method, max_new=max_new, sampling=sampling, stop_ids=stop_ids,
                          first=first)
-    out, n, cache, state = clock.timed(dec, params, cache, logits, rng, state, phase="decode_s")
-    return out, n, cache, state, method.decode_stats(None, state)
+    out, n, cache, state, ran = clock.timed(dec, params, cache, logits, rng, state,
+                                            phase="decode_s")
+    return out, n, cache, state, method.decode_stats(None, state), int(ran)
 
 
 def _real_rows(cache: kvcache.KVCache, B: int) -> kvcache.KVCache:
@@ -278,17 +280,13 @@ def run(
         return kvcache.kv_bytes(dataclasses.replace(c, valid=c.valid[:, :B]))
 
     live_after_prefill = live_bytes(cache)
-    out, n, decode_stats = np.zeros((padded, 0), np.int32), np.zeros(padded, int), {}
+    out, n, decode_stats, ran = np.zeros((padded, 0), np.int32), np.zeros(padded, int), {}, 0
     if max_new_tokens > 0:
-        out, n, cache, state, decode_stats = _decode(
+        out, n, cache, state, decode_stats, ran = _decode(
             params, cfg, cache, logits, state, later, max_new_tokens, sampling, stop_ids,
             seed, clock, first)
     out, n = distributed.to_host(out)[:B], distributed.to_host(n)[:B]
     steps_run = min(int(n.max()) + 1, max_new_tokens) if max_new_tokens else 0
-    # the steps decode_s timed: with k steps a loop iteration, up to k - 1 after every
-    # element stopped (a host-loop decode steps one at a time)
-    k = 1 if later.steps_on_host() else steps.unroll(later, first, clock.config)
-    ran = steps.steps_executed(steps_run, k, max_new_tokens)
     stats = {
         **{k: _real_stat(v, B, padded) for k, v in stats.items()},
         **{k: _real_decode_stat(v, B, padded) for k, v in decode_stats.items()},
@@ -300,9 +298,11 @@ def run(
         "kv_bytes_live_end": live_bytes(cache)["kv_bytes_live"] if max_new_tokens > 0 else None,
         "ttft_s": clock.ttft_s,
         "ttft_own_s": own_s if prefilled is not None else None,
-        "tpot_s": clock.decode_s / ran if steps_run else None,
-        # the steps the batch's longest element needed; tpot_s is a mean over the steps
-        # run, which with `Kernels.decode_unroll` may be up to k - 1 more
+        # a mean over the steps the loop ran (`steps.decode`'s count): with
+        # `Kernels.decode_unroll` k - 1 more than the longest element needed at most, and a
+        # mesh's padding rows may run longer than the real ones
+        "tpot_s": clock.decode_s / ran if ran else None,
+        # the steps the batch's longest element needed
         "steps_run": steps_run,
         "compile_s": clock.compile_s,
         "prompt_tokens": prompt_tokens,

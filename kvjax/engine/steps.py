@@ -187,8 +187,10 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
 
     `first`: the method of the first step, run once before the loop (`method` then runs
     the rest; `Method.extension_phases`). Returns tokens [B, max_new] (pad after a stop
-    token), the number of tokens each element generated before its stop token, the cache
-    and the method state.
+    token), the number of tokens each element generated before its stop token, the cache,
+    the method state and the steps the loop ran (what the decode time covers: with
+    `Kernels.decode_unroll` up to k - 1 dead steps after every element stopped, and the
+    padding rows a mesh adds count as elements).
     """
     B = logits_BV.shape[0]
     stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
@@ -235,11 +237,11 @@ def decode(params, cache, logits_BV, rng, state=None, *, cfg: ModelConfig, metho
             return c
 
         init = jax.lax.while_loop(lambda c: cond(c) & (c[0] + k <= max_new), chunk, init)
-    _, cache, _, out, _, n, _, state = jax.lax.while_loop(cond, body, init)
+    ran, cache, _, out, _, n, _, state = jax.lax.while_loop(cond, body, init)
     if layered:
         kvs, end, next_pos = cache
         cache = kvcache.KVCache.of(kvcache.stack_layers(kvs), end, next_pos)
-    return out, n, cache, state
+    return out, n, cache, state, ran
 
 
 def _decode_layout(method: Method, first: Method | None, kernels: Kernels, params) -> str:
@@ -256,25 +258,13 @@ def _decode_layout(method: Method, first: Method | None, kernels: Kernels, param
     return "scan"
 
 
-def unroll(method: Method, first: Method | None, kernels: Kernels) -> int:
+def _unroll(method: Method, first: Method | None, kernels: Kernels) -> int:
     """`Kernels.decode_unroll` where the step is plain (a hook method's state and
     statistics would see the steps run after every element stopped), else 1."""
-    return kernels.decode_unroll if first is None and method.plain_decode() else 1
-
-
-def _unroll(method: Method, first: Method | None, kernels: Kernels) -> int:
-    k = unroll(method, first, kernels)
+    k = kernels.decode_unroll if first is None and method.plain_decode() else 1
     if k > 1:
         note("decode_unroll", str(k))
     return k
-
-
-def steps_executed(steps_run: int, k: int, max_new: int) -> int:
-    """The steps `decode` runs with k steps an iteration for a generation whose longest
-    element needed `steps_run` (k = 1's count): the iteration holding the last live step
-    runs to its end (dead steps after every element stopped), while k more fit in
-    `max_new`; the single-step loop after it stops at once."""
-    return max(steps_run, min(-(-steps_run // k), max_new // k) * k)
 
 
 def _extend_layered(params, layers, cache, tokens_BT, valid_BT, cfg: ModelConfig,
@@ -332,7 +322,7 @@ def host_decode(params, cfg: ModelConfig, cache, logits_BV, rng, state, *, metho
     and, where it splits the step (`decode_segments`), `between_segments` inside it.
 
     Returns (tokens [B, max_new], counts [B], cache, state, host bookkeeping, compile
-    seconds, kernel ops used, decode seconds)."""
+    seconds, kernel ops used, decode seconds, steps run)."""
     B = logits_BV.shape[0]
     # the compiled segments slice stacked weights: stacked once here (a copy of a per-layer
     # model's weights for the generation), not in every step's program
@@ -352,7 +342,9 @@ def host_decode(params, cfg: ModelConfig, cache, logits_BV, rng, state, *, metho
     n = np.zeros(B, np.int64)
     done = np.zeros(B, bool)
     t0 = time.perf_counter()
+    ran = 0
     for t in range(max_new):
+        ran = t + 1
         cache, state = method.between_steps(host, cache, state, done)
         carry = dict(logits=logits_BV, rng=rng, done=jnp.asarray(done))
         for i, span in enumerate(spans):
@@ -373,4 +365,4 @@ def host_decode(params, cfg: ModelConfig, cache, logits_BV, rng, state, *, metho
         if done.all():
             break
     jax.block_until_ready(cache)
-    return out, n, cache, state, host, compile_s, used, time.perf_counter() - t0 + setup_s
+    return out, n, cache, state, host, compile_s, used, time.perf_counter() - t0 + setup_s, ran
