@@ -29,11 +29,11 @@
 #     one writer per file: a second `perplexity` on the same file stops at once);
 #   memory: a Qwen 0.5B sweep holds ~8-9 GB; two of them beside the full test suite were
 #     too much for 24 GB (the OOM killer took one, 2026-11-29): one sweep beside the suite;
-#   8192: papers on niah_multikey_2 under way 2026-11-29 (`CTX=8192 BATCH=8 nice bash
+#   8192: papers on niah_multikey_2 done 2026-11-29 (`CTX=8192 BATCH=8 nice bash
 #     scripts/sweeps_qwen.sh papers ruler/niah_multikey_2`: 8 methods x 2 budgets, the SnapKV
-#     family from the baselines sweep at the same kernel; 5 of 7 batches at the stop, ~17 min
-#     a batch beside the test suite, ~14.1 GB RSS: nothing but the suite fits beside it;
-#     resumable);
+#     family from the baselines sweep at the same kernel; 7 batches over two sessions, ~17 min
+#     a batch beside the test suite, ~9 min alone, ~14.1 GB RSS: nothing but the suite fits
+#     beside it);
 #     baselines on niah_multikey_2 done 2026-11-29
 #     (`CTX=8192 BATCH=8 nice bash scripts/sweeps_qwen.sh baselines ruler/niah_multikey_2`;
 #     the full cache answers 8 of 8 in ruler_8192_n8.jsonl): at BATCH=8 the run held 14.1 GB
