@@ -23,8 +23,9 @@
 #     d2o 12 done 2026-11-29; papers 12 done 2026-11-29 (the methods the aggregation sweep
 #     had not run: CriticalKV's three, HeadKV, D2O, ObservedAttention; 7 batches of ~8.5 min
 #     beside the pooling sweep); pooling (vt's own dev samples) 8 done 2026-11-29 (~28 min a
-#     kernel beside the papers sweep; vt's dev chooses 7, not niah's 17: the vt cells above
-#     at 17 are not re-run at 7 yet); cwe: aggregation 14 done 2026-11-29;
+#     kernel beside the papers sweep; vt's dev chooses 7, not niah's 17); task_kernel 16
+#     done 2026-11-29 (vt's kernel methods at 7, 41 min, the test suite beside it for 30);
+#     cwe: aggregation 14 done 2026-11-29;
 #   perplexity: Genesis and essays 15 of 15 runs each (complete 2026-11-29, ~7-18 min a run;
 #     one writer per file: a second `perplexity` on the same file stops at once);
 #   memory: a Qwen 0.5B sweep holds ~8-9 GB; two of them beside the full test suite were
@@ -97,8 +98,9 @@
 #   critical_snapkv / critical_adakv / critical_headkv better than SnapKV / Ada-SnapKV /
 #   HeadKV; HeadKV better than SnapKV and Ada-SnapKV; D2O better than H2O
 #   and StreamingLLM (these two from the baselines sweep, same samples).
-# - task_kernel (declared 2026-11-29, before it ran): vt's own dev samples choose kernel 7
-#   (pooling ruler/vt), where every Qwen sweep ran the kernel methods at niah_multikey_2's 17.
+# - task_kernel (declared 2026-11-29, before it ran; done the same day): vt's own dev
+#   samples choose kernel 7 (pooling ruler/vt), where every Qwen sweep ran the kernel
+#   methods at niah_multikey_2's 17.
 #   On each task whose own dev choice differs: LAVa, CAKE, the two LAVa ablations, HeadKV and
 #   CriticalKV over SnapKV, Ada-SnapKV and HeadKV again at that kernel, one shared prefill and
 #   16 cells (~70 min alone on vt); the SnapKV family at 7 from the baselines sweep.
