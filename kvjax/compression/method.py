@@ -167,7 +167,9 @@ class Method:
         return state
 
     def decode_slots(self, cache: KVCache, state: Any, T: int):
-        """Slots [L, B, K, T] the next T tokens are written to; None appends at `end`."""
+        """Slots [L, B, K, T] the next T tokens are written to; None appends at `end`.
+        Each layer's slots depend on that layer's `valid` alone: over per-layer buffers
+        (`layered_hooks`) it is called once a layer on a one-layer view (L = 1)."""
         return None
 
     def decode_layer(self, io: LayerIO, probs, state: Any) -> tuple[LayerKV, Any]:
@@ -265,7 +267,7 @@ class Method:
     def layered_hooks(self) -> bool:
         """True when a decode step with this method's hooks may also run over per-layer
         buffers (`Kernels.decode_layers`): its hooks read one layer's cache at a time
-        (`decode_layer`; `decode_slots` reads only the cache's `valid`) and none recomputes
+        (`decode_layer`; `decode_slots` reads only a layer's `valid`) and none recomputes
         rows or runs between layers (`revival`, `after_layers`, a host loop). There
         `after_step` is given no cache (None): a method whose `after_step` reads the cache
         answers False."""

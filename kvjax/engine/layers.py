@@ -203,7 +203,7 @@ def extend_per_layer(
     valid_BT: Bool[Array, "B T"],
     kvs: tuple[LayerKV, ...],
     pos_BT: Int[Array, "B T"],
-    slot_LBKT: Int[Array, "L B K T"] | Int[Array, ""],
+    slot_LBKT: Int[Array, "L B K T"] | tuple[Int[Array, "B K T"], ...] | Int[Array, ""],
     kernels: Kernels = Kernels(),
     method=None,
     state: Any = None,
@@ -211,11 +211,12 @@ def extend_per_layer(
     """`extend_layers` of a decode step over per-layer buffers: `layers` each layer's
     weights (`transformer.per_layer`), `kvs` each layer's entries [B, K, C, ...]
     (`kvjax.compression.cache.split_layers`); the T new entries are written at
-    `slot_LBKT` (a scalar: appended there). A Python loop, as jax-llm-examples decodes:
-    every layer reads its own weights and KV where they lie, where the scan's slices of
-    stacked arrays are copies on a GPU (`kvjax.bench.decode_layout`). `method`: its
-    `decode_layer` hook after each layer's attention (`Method.layered_hooks`), with the
-    layer number a constant. Returns (x [B, T, D], the new kvs, the state)."""
+    `slot_LBKT` (indexed by layer: each layer's [B, K, T] slots; a scalar: appended
+    there). A Python loop, as jax-llm-examples decodes: every layer reads its own weights
+    and KV where they lie, where the scan's slices of stacked arrays are copies on a GPU
+    (`kvjax.bench.decode_layout`). `method`: its `decode_layer` hook after each layer's
+    attention (`Method.layered_hooks`), with the layer number a constant. Returns
+    (x [B, T, D], the new kvs, the state)."""
     x, out = x_BTD, []
     hook = method.decode_layer if method is not None and method.uses_decode_layer() else None
     for layer, (p, kv) in enumerate(zip(layers, kvs)):
@@ -223,8 +224,9 @@ def extend_per_layer(
         # in place, except at batch 1 on CPU (jax 0.10), where XLA fuses a second copy of
         # the append into the attention and copies the layer's K and V to feed both
         # (`kvjax.bench.decode_hlo`; an optimization barrier does not stop it)
+        per_layer = isinstance(slot_LBKT, tuple) or jnp.ndim(slot_LBKT) > 0
         kv = write(kv, None, k, v, pos_BT, valid_BT,
-                   slot_LBKT if jnp.ndim(slot_LBKT) == 0 else slot_LBKT[layer])
+                   slot_LBKT[layer] if per_layer else slot_LBKT)
         ok = attention.mask(pos_BT, kv.pos, kv.valid, transformer.layer_window(cfg, layer))
         if hook is None:
             x = transformer.finish_layer(p, cfg, x, attend_cached(q, kv.k, kv.v, ok, kernels))

@@ -270,17 +270,21 @@ def _unroll(method: Method, first: Method | None, kernels: Kernels) -> int:
 def _extend_layered(params, layers, cache, tokens_BT, valid_BT, cfg: ModelConfig,
                     method: Method, state, kernels: Kernels):
     """`_extend` over per-layer buffers (`Method.layered_hooks`): cache = (kvs, end,
-    next_pos). The method's slots read a stacked view of the layers' `valid` alone (a
-    small copy a step: L x B x K x C booleans); `after_step` gets no cache."""
+    next_pos). The method's slots are asked a layer at a time, of a one-layer view of
+    that layer's `valid` (nothing stacked); `after_step` gets no cache."""
     kvs, end, next_pos = cache
     T = tokens_BT.shape[1]
     pos_BT = positions(valid_BT, next_pos)
-    # (unused, as for a plain step, XLA drops the stack)
-    valid = kvcache.LayerKV(None, None, None, jnp.stack([kv.valid for kv in kvs]))
-    slots = method.decode_slots(kvcache.KVCache.of(valid, end, next_pos), state, T)
+
+    def slots(kv):  # [B, K, T], or None: appended at `end`
+        view = kvcache.LayerKV(None, None, None, kv.valid[None])
+        s = method.decode_slots(kvcache.KVCache.of(view, end, next_pos), state, T)
+        return None if s is None else s[0]
+
+    per_layer = [slots(kv) for kv in kvs]
     x, kvs, state = extend_per_layer(layers, cfg, params["embed"][tokens_BT], valid_BT, kvs,
-                                     pos_BT, end if slots is None else slots, kernels, method,
-                                     state)
+                                     pos_BT, end if per_layer[0] is None else tuple(per_layer),
+                                     kernels, method, state)
     cache = (kvs, end + T, next_pos + jnp.sum(valid_BT, axis=1, dtype=jnp.int32))
     state = method.after_layers(cfg, None, state, cfg.num_layers)
     return transformer.unembed(params, cfg, x[:, -1]), cache, state
