@@ -219,12 +219,12 @@ def extend_per_layer(
     (x [B, T, D], the new kvs, the state)."""
     x, out = x_BTD, []
     hook = method.decode_layer if method is not None and method.uses_decode_layer() else None
+    per_layer = isinstance(slot_LBKT, tuple) or jnp.ndim(slot_LBKT) > 0
     for layer, (p, kv) in enumerate(zip(layers, kvs)):
         q, k, v = transformer.qkv(p, cfg, x, pos_BT)
         # in place, except at batch 1 on CPU (jax 0.10), where XLA fuses a second copy of
         # the append into the attention and copies the layer's K and V to feed both
         # (`kvjax.bench.decode_hlo`; an optimization barrier does not stop it)
-        per_layer = isinstance(slot_LBKT, tuple) or jnp.ndim(slot_LBKT) > 0
         kv = write(kv, None, k, v, pos_BT, valid_BT,
                    slot_LBKT[layer] if per_layer else slot_LBKT)
         ok = attention.mask(pos_BT, kv.pos, kv.valid, transformer.layer_window(cfg, layer))
